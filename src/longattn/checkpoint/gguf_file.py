@@ -1,0 +1,170 @@
+"""Read a GGUF file into a ModelConfig and a float32 state dict with HF tensor names.
+
+What the GGUF converter changed and we undo here:
+- llama: Q and K rows are permuted so GGML can rotate adjacent pairs; we permute them
+  back to the half-split (NeoX) layout the HF model uses. Proven by logits in the tests.
+- gemma3: RMSNorm weights are stored as (1 + w); we subtract 1 so the model applies
+  (1 + w) exactly once, as the HF checkpoint does.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import ModelConfig
+from ..errors import LongattnError
+from .family_gaps import GEMMA3_LOCAL_ROPE_THETA, gemma3_layer_is_global
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "attn_norm": "input_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+# Gemma 3 has four norms per block; llama/qwen have two.
+_NORMS_PLAIN = {"ffn_norm": "post_attention_layernorm"}
+_NORMS_GEMMA3 = {"post_attention_norm": "post_attention_layernorm",
+                 "ffn_norm": "pre_feedforward_layernorm",
+                 "post_ffw_norm": "post_feedforward_layernorm"}
+
+
+def _open(path: Path):
+    import gguf
+    if not path.exists():
+        raise LongattnError(f"checkpoint not found: {path}")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # truncated or not a GGUF at all
+        raise LongattnError(f"cannot read GGUF {path}: {type(e).__name__}: {e}; "
+                            "the file is truncated or corrupt, re-install or re-download it") from None
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    v = f.contents()
+    return v
+
+
+def read_gguf_config(reader, path: Path) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise LongattnError(f"unsupported architecture '{arch}' in {path.name}; "
+                            f"longattn runs: {', '.join(SUPPORTED_ARCHS)}")
+
+    def a(key, default=None):
+        return _field(reader, f"{arch}.{key}", default)
+
+    n_layers = int(a("block_count"))
+    hidden = int(a("embedding_length"))
+    n_heads = int(a("attention.head_count"))
+    n_kv = a("attention.head_count_kv", n_heads)
+    if isinstance(n_kv, list):
+        n_kv = max(n_kv)
+    n_kv = int(n_kv)
+    head_dim = int(a("attention.key_length", 0) or (hidden // n_heads if n_heads else 0))
+    theta = float(a("rope.freq_base", 10000.0))
+    names = {t.name for t in reader.tensors}
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields \
+        else int(a("vocab_size"))
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    kw = dict(
+        family=arch, vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=int(a("feed_forward_length")), num_layers=n_layers,
+        num_heads=n_heads, num_kv_heads=n_kv, head_dim=head_dim,
+        rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6)),
+        max_context=int(a("context_length", 8192)), rope_theta=theta,
+        tie_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        bos_token_id=int(bos) if bos is not None else None,
+        eos_token_ids=[int(eos)] if eos is not None else [],
+        name=str(_field(reader, "general.name", path.stem)),
+    )
+    if arch == "gemma3":
+        window = int(a("attention.sliding_window", 512))
+        glob = [gemma3_layer_is_global(i) for i in range(n_layers)]
+        kw.update(
+            norm_plus_one=True, sandwich_norms=True, embed_scale=hidden ** 0.5,
+            activation="gelu_tanh", query_pre_attn_scalar=float(head_dim),
+            layer_windows=[None if g else window for g in glob],
+            layer_rope_theta=[theta if g else GEMMA3_LOCAL_ROPE_THETA for g in glob],
+        )
+        # Gemma 3's chat turns end with <end_of_turn> (id 106) as well as <eos>.
+        kw["eos_token_ids"] = sorted(set(kw["eos_token_ids"]) | {106})
+    return ModelConfig(**kw)
+
+
+def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Inverse of the GGUF llama converter's Q/K row permutation.
+
+    The converter maps HF rows ``[h, half, j]`` to ``[h, j, half]`` (pairs made adjacent);
+    we map them back. ``w`` is ``[n_head * head_dim, in]``.
+    """
+    out_dim, in_dim = w.shape
+    hd = out_dim // n_head
+    return w.reshape(n_head, hd // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
+def iter_gguf_tensors(reader):
+    """Yield (gguf_name, float32 tensor in PyTorch [out, in] orientation)."""
+    from gguf import GGMLQuantizationType, quants
+    for t in reader.tensors:
+        shape = [int(x) for x in reversed(list(t.shape))]
+        if t.tensor_type == GGMLQuantizationType.F32:
+            arr = np.asarray(t.data, dtype=np.float32)
+        elif t.tensor_type in (GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+            arr = quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        else:
+            arr = quants.dequantize(t.data, t.tensor_type)
+        yield t.name, torch.from_numpy(np.array(arr, dtype=np.float32, copy=True).reshape(shape))
+
+
+def load_gguf(path: str | os.PathLike, progress=None) -> tuple[ModelConfig, dict]:
+    """Parse and dequantize a GGUF file.
+
+    Returns:
+        (config, state_dict) where state_dict maps HF-style names to float32 tensors.
+    """
+    path = Path(path)
+    reader = _open(path)
+    try:
+        cfg = read_gguf_config(reader, path)
+    except LongattnError:
+        raise
+    except Exception as e:
+        raise LongattnError(f"{path.name}: incomplete GGUF metadata ({type(e).__name__}: {e})") from None
+    norms = _NORMS_GEMMA3 if cfg.family == "gemma3" else _NORMS_PLAIN
+    sd: dict = {}
+    tensors = iter_gguf_tensors(reader)
+    for name, w in (progress(tensors, total=len(reader.tensors)) if progress else tensors):
+        if name == "token_embd.weight":
+            key = "model.embed_tokens.weight"
+        elif name == "output_norm.weight":
+            key = "model.norm.weight"
+        elif name == "output.weight":
+            key = "lm_head.weight"
+        elif name.startswith("blk."):
+            _, i, part, kind = name.split(".", 3)
+            mapped = _LAYER_NAMES.get(part) or norms.get(part)
+            if mapped is None:
+                raise LongattnError(f"{path.name}: unexpected tensor '{name}' for {cfg.family}")
+            key = f"model.layers.{i}.{mapped}.{kind}"
+            if cfg.family == "llama" and part in ("attn_q", "attn_k"):
+                w = _unpermute_qk(w, cfg.num_heads if part == "attn_q" else cfg.num_kv_heads)
+        elif name == "rope_freqs.weight":
+            continue  # llama-3 style rope scaling factors; not used by bundled models
+        else:
+            raise LongattnError(f"{path.name}: unexpected tensor '{name}'")
+        if cfg.norm_plus_one and key.endswith("norm.weight"):
+            w = w - 1.0
+        sd[key] = w
+    return cfg, sd

@@ -1,0 +1,115 @@
+"""One entry point: a name or path -> LoadedCheckpoint (config, float32 weights, tokenizer).
+
+GGUF files are converted once (dequantized, renamed, tokenizer built from the file's own
+metadata) into ``$LONGATTN_CACHE/converted/<key>/``; the key hashes the source path, size
+and mtime plus the converter version, so a changed source file is re-converted. The entry
+is written into a temporary directory and renamed into place, so an interrupted or failed
+conversion leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import ModelConfig
+from ..errors import LongattnError
+from .bundled import resolve_model
+from .paths import atomic_dir, cache_root
+
+CONVERTER_VERSION = "1"
+
+
+@dataclass
+class LoadedCheckpoint:
+    name: str
+    source: Path
+    config: ModelConfig
+    state_dict: dict
+    tokenizer: Any  # transformers PreTrainedTokenizerFast, or None for weight-only dirs
+
+
+def _quiet_transformers():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module="transformers")
+
+
+def load_tokenizer(path: Path, gguf_file: str | None = None):
+    _quiet_transformers()
+    from transformers import AutoTokenizer
+    if gguf_file is not None:
+        return AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file)
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def _cache_key(src: Path) -> str:
+    st = src.stat()
+    raw = f"{src.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CONVERTER_VERSION}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def _convert_gguf(src: Path, target: Path, progress: bool) -> None:
+    from safetensors.torch import save_file
+    from .gguf_file import load_gguf
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        def bar(items, total=None):
+            return tqdm(items, total=total, desc=f"converting {src.name}", unit="tensor", leave=False)
+    cfg, sd = load_gguf(src, progress=bar)
+    tok = load_tokenizer(src.parent, gguf_file=src.name)
+    with atomic_dir(target) as tmp:
+        save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+        tok.save_pretrained(str(tmp / "tokenizer"))
+        (tmp / "source.json").write_text(json.dumps({"source": str(src)}))
+
+
+def load_checkpoint(name_or_path: str, progress: bool = True, with_tokenizer: bool = True
+                    ) -> LoadedCheckpoint:
+    """Load a bundled model name, a ``.gguf`` file or an HF directory.
+
+    Raises LongattnError (one clear line) for a missing, truncated or unsupported checkpoint.
+    """
+    name, src = resolve_model(name_or_path)
+    if src.is_dir():
+        from .hf_dir import load_hf_dir
+        cfg, sd = load_hf_dir(src)
+        tok = None
+        if with_tokenizer and any((src / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
+            tok = load_tokenizer(src)
+        return LoadedCheckpoint(name, src, cfg, sd, tok)
+    if src.suffix not in (".gguf", ".bin") and not _looks_like_gguf(src):
+        raise LongattnError(f"{src} is neither a GGUF file nor an HF model directory")
+    target = cache_root() / "converted" / f"{_cache_key(src)}"
+    if not (target / "model.safetensors").exists():
+        _convert_gguf(src, target, progress)
+    from safetensors.torch import load_file
+    try:
+        cfg = ModelConfig.from_dict(json.loads((target / "config.json").read_text()))
+        sd = load_file(str(target / "model.safetensors"))
+    except Exception as e:
+        raise LongattnError(f"converted cache entry {target} is damaged ({e}); delete it and retry") from None
+    tok = None
+    if with_tokenizer:
+        _quiet_transformers()
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(str(target / "tokenizer"))
+    return LoadedCheckpoint(name, src, cfg, sd, tok)
+
+
+def _looks_like_gguf(p: Path) -> bool:
+    try:
+        with open(p, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False

@@ -1,0 +1,45 @@
+"""Cache directory and atomic writes (a crash never leaves a half-written entry behind)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    """``$LONGATTN_CACHE`` or ``~/.cache/longattn``."""
+    root = Path(os.environ.get("LONGATTN_CACHE") or Path.home() / ".cache" / "longattn")
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+@contextlib.contextmanager
+def atomic_write_path(target: Path):
+    """Yield a temporary path next to ``target``; rename it into place only on success."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=target.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def atomic_dir(target: Path):
+    """Yield a temporary directory next to ``target``; rename it into place on success."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    try:
+        yield tmp
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,101 @@
+"""`longattn generate`: stream a continuation, then a one-line summary."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..errors import LongattnError
+from .common import (add_json_arg, add_model_args, add_policy_args, emit_json, load_model,
+                     policy_from_args, setup_threads)
+
+DEFAULT_PROMPT = "The three most useful facts about the Moon are"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_model_args(p)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default=None, help=f"prompt text (default: {DEFAULT_PROMPT!r})")
+    src.add_argument("--prompt-file", default=None, help="read the prompt from a file")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chunk", type=int, default=512, help="prefill chunk size (tokens)")
+    add_policy_args(p)
+    add_json_arg(p)
+    p.set_defaults(func=run)
+
+
+def encode_prompt(tok, text: str, chat: bool) -> list:
+    if chat:
+        if not getattr(tok, "chat_template", None):
+            raise LongattnError("this checkpoint has no chat template; drop --chat")
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                      tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tok(text)["input_ids"])
+
+
+class TextStreamer:
+    """Prints decoded text as tokens arrive, holding back incomplete UTF-8 / merges."""
+
+    def __init__(self, tok, out=sys.stdout):
+        self.tok, self.out, self.ids, self.printed = tok, out, [], 0
+
+    def __call__(self, stream: int, token: int) -> None:
+        self.ids.append(token)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return
+        self.out.write(text[self.printed:])
+        self.out.flush()
+        self.printed = len(text)
+
+    def finish(self) -> None:
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        self.out.write(text[self.printed:] + "\n")
+        self.out.flush()
+
+
+def run(args) -> int:
+    from ..sampling import SamplingConfig
+    from ..session import Session, generate
+    setup_threads(args.threads)
+    if args.max_new_tokens < 0:
+        raise LongattnError("--max-new-tokens must be >= 0")
+    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
+    if args.prompt_file:
+        text = Path(args.prompt_file).read_text()
+    else:
+        text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    ck, model = load_model(args)
+    policy = policy_from_args(ck.config, args)
+    ids = encode_prompt(ck.tokenizer, text, args.chat)
+    session = Session(model, policy)
+    streamer = TextStreamer(ck.tokenizer)
+    if not args.json:
+        sys.stdout.write(text if not args.chat else "")
+    res = generate(session, [ids], args.max_new_tokens, sampling, stop_ids=set(ck.config.eos_token_ids),
+                   chunk=args.chunk, on_token=None if args.json else streamer)
+    if not args.json:
+        streamer.finish()
+    n = res.new_tokens
+    tps = n / res.decode_seconds if res.decode_seconds > 0 else float("nan")
+    pps = res.prompt_tokens / res.prefill_seconds if res.prefill_seconds > 0 else float("nan")
+    summary = {"model": ck.name, "prompt_tokens": res.prompt_tokens, "new_tokens": n,
+               "prefill_tok_s": round(pps, 2), "decode_tok_s": round(tps, 2),
+               "cache_bytes": res.cache_bytes, "threads": args.threads,
+               "text": ck.tokenizer.decode(res.tokens[0], skip_special_tokens=True)}
+    print(f"-- {ck.name}: {res.prompt_tokens} prompt + {n} new tokens, prefill {pps:.1f} tok/s, "
+          f"decode {tps:.1f} tok/s, cache {res.cache_bytes / 2**20:.2f} MiB", file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        emit_json(summary)
+    return 0

@@ -1,0 +1,103 @@
+"""ModelConfig: everything the model needs to know about a checkpoint, validated.
+
+Family differences (Llama, Qwen2, Qwen3, Gemma 3) are data here, never branches in the
+model's loop. ``layer_windows[i]`` is the sliding window of layer i as trained (``None`` =
+full attention); ``layer_rope_theta[i]`` is that layer's RoPE base.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .errors import LongattnError
+
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
+
+
+@dataclass
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    max_context: int = 8192
+    rope_theta: float = 10000.0
+    # Per-layer data (filled by __post_init__ when left empty).
+    layer_windows: list = field(default_factory=list)      # [L] int | None
+    layer_rope_theta: list = field(default_factory=list)   # [L] float
+    # Family switches.
+    qkv_bias: bool = False
+    qk_norm: bool = False              # RMSNorm over head_dim on q and k (Qwen3, Gemma 3)
+    norm_plus_one: bool = False        # Gemma: weight applied as (1 + w)
+    sandwich_norms: bool = False       # Gemma 3: post-attention and post-ffn norms too
+    embed_scale: float = 1.0           # Gemma: sqrt(hidden_size)
+    activation: str = "silu"           # "silu" | "gelu_tanh"
+    query_pre_attn_scalar: Optional[float] = None  # scale = this ** -0.5 when set
+    attn_softcap: Optional[float] = None
+    final_softcap: Optional[float] = None
+    tie_embeddings: bool = False
+    rope_scaling: Optional[dict] = None  # e.g. {"type": "linear", "factor": 8.0}
+    bos_token_id: Optional[int] = None
+    eos_token_ids: list = field(default_factory=list)
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.layer_windows:
+            self.layer_windows = [None] * self.num_layers
+        if not self.layer_rope_theta:
+            self.layer_rope_theta = [self.rope_theta] * self.num_layers
+        self.validate()
+
+    @property
+    def attn_scale(self) -> float:
+        base = self.query_pre_attn_scalar if self.query_pre_attn_scalar else self.head_dim
+        return float(base) ** -0.5
+
+    @property
+    def kv_bytes_per_token_per_layer(self) -> int:
+        """K plus V bytes one token costs in one layer at float32."""
+        return 2 * self.num_kv_heads * self.head_dim * 4
+
+    def validate(self) -> None:
+        def bad(msg: str) -> None:
+            raise LongattnError(f"invalid model config{(' for ' + self.name) if self.name else ''}: {msg}")
+        if self.family not in FAMILIES:
+            bad(f"unsupported architecture '{self.family}'; supported: {', '.join(FAMILIES)}")
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads", "head_dim"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v <= 0:
+                bad(f"{f} must be a positive integer, got {v!r}")
+        if self.num_heads % self.num_kv_heads != 0:
+            bad(f"num_heads ({self.num_heads}) is not divisible by num_kv_heads "
+                f"({self.num_kv_heads}); grouped-query attention needs whole groups")
+        if self.head_dim % 2 != 0:
+            bad(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+        if len(self.layer_windows) != self.num_layers:
+            bad(f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
+        if len(self.layer_rope_theta) != self.num_layers:
+            bad(f"layer_rope_theta has {len(self.layer_rope_theta)} entries for {self.num_layers} layers")
+        for w in self.layer_windows:
+            if w is not None and (not isinstance(w, int) or w <= 0):
+                bad(f"layer window {w!r} must be a positive integer or None")
+        if self.activation not in ("silu", "gelu_tanh"):
+            bad(f"unknown activation '{self.activation}'")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    @property
+    def windowed_layers(self) -> list:
+        return [i for i, w in enumerate(self.layer_windows) if w is not None]

@@ -1,0 +1,217 @@
+"""A decoder-only transformer for the llama, qwen2, qwen3 and gemma3 families.
+
+The model never knows which cache or attention policy it runs with: each attention layer
+calls ``cache.update`` (when a cache is given) and the per-layer op the policy hands it.
+Shapes: hidden states ``[B, T, hidden]``; q/k/v ``[B, heads, T, head_dim]``; positions
+``[B, T]`` int64 absolute indices (negative = padding).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from ..errors import LongattnError
+from .rope import apply_rope, inv_freq, rope_cos_sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, plus_one: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim), requires_grad=False)
+        self.eps = eps
+        self.plus_one = plus_one
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        w = self.weight.float()
+        return (xf * ((1.0 + w) if self.plus_one else w)).to(x.dtype)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear in the weight's dtype (bf16 weights read half the bytes), result in x's dtype."""
+    if w.dtype != x.dtype:
+        y = F.linear(x.to(w.dtype), w, None if b is None else b.to(w.dtype))
+        return y.to(x.dtype)
+    return F.linear(x, w, b)
+
+
+class Linear(nn.Module):
+    def __init__(self, n_in: int, n_out: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_out, n_in), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(n_out), requires_grad=False) if bias else None
+
+    def forward(self, x):
+        return _linear(x, self.weight, self.bias)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False)
+        self.act = (lambda t: F.gelu(t, approximate="tanh")) if cfg.activation == "gelu_tanh" else F.silu
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.H, self.Hkv, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = Linear(cfg.hidden_size, self.H * self.D, cfg.qkv_bias)
+        self.k_proj = Linear(cfg.hidden_size, self.Hkv * self.D, cfg.qkv_bias)
+        self.v_proj = Linear(cfg.hidden_size, self.Hkv * self.D, cfg.qkv_bias)
+        self.o_proj = Linear(self.H * self.D, cfg.hidden_size, False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.D, cfg.rms_norm_eps, cfg.norm_plus_one)
+            self.k_norm = RMSNorm(self.D, cfg.rms_norm_eps, cfg.norm_plus_one)
+        else:
+            self.q_norm = self.k_norm = None
+        self.scale = cfg.attn_scale
+        self.softcap = cfg.attn_softcap
+        self.register_buffer("inv_freq", inv_freq(self.D, cfg.layer_rope_theta[layer], cfg.rope_scaling
+                                                  if cfg.layer_windows[layer] is None else None),
+                             persistent=False)
+
+    def forward(self, x, pos, cache, op):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.H, self.D)
+        k = self.k_proj(x).view(B, T, self.Hkv, self.D)
+        v = self.v_proj(x).view(B, T, self.Hkv, self.D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, h, T, D]
+        cos, sin = rope_cos_sin(pos, self.inv_freq)
+        q = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype))
+        k = apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
+        if cache is not None:
+            k_all, v_all, k_pos = cache.update(self.layer, k, v, pos)
+        else:
+            k_all, v_all, k_pos = k, v, pos
+        o = op(q, pos, k_all, v_all, k_pos, scale=self.scale, softcap=self.softcap,
+               layer=self.layer, cache=cache)  # [B, H, T, D]
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.H * self.D))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        eps, p1 = cfg.rms_norm_eps, cfg.norm_plus_one
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, p1)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, p1)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, p1)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, p1)
+
+    def forward(self, x, pos, cache, op):
+        if self.sandwich:  # Gemma: norm before and after each sub-layer
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), pos, cache, op))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + self.self_attn(self.input_layernorm(x), pos, cache, op)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Inner(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
+
+
+class Transformer(nn.Module):
+    """Decoder LLM. ``forward(ids, pos, cache=None, policy=None)`` -> logits ``[B, T', vocab]``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = _Inner(cfg)
+        self.lm_head = None if cfg.tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False)
+
+    def head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor | None = None, cache=None, policy=None,
+                logits: str = "all") -> torch.Tensor:
+        """Run the model.
+
+        Args:
+            ids: ``[B, T]`` token ids (any value where ``pos < 0``: padding).
+            pos: ``[B, T]`` absolute positions; default ``0..T-1`` (or continuing the cache).
+            cache: a KVCache (``longattn.cache``) or None for a plain full forward.
+            policy: an AttentionPolicy (``longattn.policy``); default = the checkpoint's windows.
+            logits: "all" -> ``[B, T, V]``; "last" -> ``[B, 1, V]`` (the last non-padding
+                position of each row); "none" -> hidden states ``[B, T, hidden]``.
+        """
+        from ..policy import AttentionPolicy
+        cfg = self.config
+        B, T = ids.shape
+        if pos is None:
+            start = cache.next_position() if cache is not None else torch.zeros(B, 1, dtype=torch.int64)
+            pos = start + torch.arange(T, dtype=torch.int64)  # [B, T]
+        if policy is None:
+            policy = AttentionPolicy.from_config(cfg)
+        x = self.model.embed_tokens(ids.clamp(min=0))
+        if cfg.embed_scale != 1.0:
+            x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
+        for i, block in enumerate(self.model.layers):
+            x = block(x, pos, cache, policy.op(i))
+        if cache is not None:
+            cache.advance(pos)
+        if logits == "none":
+            return x
+        if logits == "last":
+            last = (pos >= 0).sum(dim=1) - 1  # [B]: rows are right-padded
+            x = x[torch.arange(B), last.clamp(min=0)][:, None]
+        x = self.model.norm(x)
+        out = _linear(x, self.head_weight())
+        if cfg.final_softcap:
+            out = cfg.final_softcap * torch.tanh(out / cfg.final_softcap)
+        return out
+
+
+def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype = torch.float32) -> Transformer:
+    """Instantiate and load weights (strict: a missing or extra tensor is an error).
+
+    ``dtype`` applies to the big matrices (projections, embeddings); norms stay float32.
+    """
+    with torch.device("meta"):
+        m = Transformer(cfg)
+    m = m.to_empty(device="cpu")
+    for name, buf in m.named_buffers():  # buffers were on meta: recompute
+        layer = int(name.split(".")[2])
+        attn = m.model.layers[layer].self_attn
+        attn.inv_freq = inv_freq(cfg.head_dim, cfg.layer_rope_theta[layer],
+                                 cfg.rope_scaling if cfg.layer_windows[layer] is None else None)
+    sd = dict(state_dict)
+    if cfg.tie_embeddings:
+        sd.pop("lm_head.weight", None)
+    expected = set(k for k, _ in m.named_parameters())
+    missing = expected - set(sd)
+    extra = set(sd) - expected
+    if missing or extra:
+        raise LongattnError(f"weights do not match the {cfg.family} architecture: "
+                            f"missing {sorted(missing)[:3]}, unexpected {sorted(extra)[:3]}")
+    for k, p in m.named_parameters():
+        t = sd[k]
+        if tuple(t.shape) != tuple(p.shape):
+            raise LongattnError(f"tensor {k} has shape {tuple(t.shape)}, config expects {tuple(p.shape)}")
+        big = t.dim() == 2
+        p.data = t.to(dtype if big else torch.float32).contiguous()
+    m.eval()
+    return m

@@ -1,0 +1,35 @@
+"""Masked attention through PyTorch's fused SDPA: the production path for every site.
+
+Every path (full forward, chunked prefill, step decode, batched streams) goes through
+``masked_attention`` with a mask built by ``allowed_mask``. Because an unset window and a
+window wider than everything produce the same boolean mask, they are bit-identical.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     scale: float, softcap: float | None = None) -> torch.Tensor:
+    """Grouped-query attention under a boolean mask.
+
+    Args:
+        q: ``[B, H, Tq, D]``; k, v: ``[B, Hkv, Tk, D]`` (``H % Hkv == 0``).
+        mask: bool ``[B, 1, Tq, Tk]`` (True = may read).
+        scale: score multiplier.
+        softcap: Gemma-2 style score soft-capping; falls back to the explicit path.
+    Returns:
+        ``[B, H, Tq, D]``; rows with no readable key (padding queries) are zero.
+    """
+    if softcap is not None:
+        from .reference import reference_attention
+        return reference_attention(q, k, v, mask, scale, softcap)
+    H, Hkv = q.shape[1], k.shape[1]
+    any_ok = mask.any(dim=-1, keepdim=True)  # [B, 1, Tq, 1]
+    # A fully masked row would make SDPA produce NaN; give it one dummy key and zero it after.
+    safe = mask | ~any_ok
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=safe, scale=scale,
+                                         enable_gqa=(H != Hkv))
+    return out.masked_fill(~any_ok, 0.0)

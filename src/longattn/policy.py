@@ -1,0 +1,144 @@
+"""Per-layer attention policy: which op each layer runs, with which window and sinks.
+
+A policy is data (a list of LayerPolicy) plus a registry of op kinds; adding a kind is one
+class plus one registry entry. The model asks ``policy.op(i)`` and calls what it gets.
+
+Sources of a policy:
+- the checkpoint (default): each layer's trained window (Gemma 3: 512 on local layers);
+- imposed: ``window=W, sinks=S`` on every layer, a per-layer list, or on the global
+  (full-attention) layers only of a hybrid model;
+- ``dense``: every window off (a different function than a windowed model was trained as).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from .errors import LongattnError
+from .ops.dense import masked_attention
+from .ops.masks import allowed_mask
+
+
+@dataclass(frozen=True)
+class LayerPolicy:
+    kind: str = "window"          # "window" (None window = dense) | "sparse" | registered kinds
+    window: Optional[int] = None  # keys per query including itself; None = full causal
+    sinks: int = 0                # first positions always readable
+
+
+def _check_int(name: str, v, allow_none: bool = True) -> None:
+    if v is None and allow_none:
+        return
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise LongattnError(f"{name} must be a non-negative integer, got {v!r}")
+    if v < 0:
+        raise LongattnError(f"{name} must be non-negative, got {v}")
+
+
+class WindowOp:
+    """Masked attention by absolute positions; window None = dense causal.
+
+    The prefill of a windowed layer may take the banded O(T*W) path (same mask, different
+    arithmetic order); set ``banded_min_tokens`` to None to keep every path on masked SDPA.
+    """
+
+    def __init__(self, lp: LayerPolicy, banded_min_tokens: Optional[int] = None):
+        self.lp = lp
+        self.banded_min_tokens = banded_min_tokens
+
+    def __call__(self, q, q_pos, k, v, k_pos, scale, softcap=None, layer=0, cache=None):
+        lp = self.lp
+        mask = allowed_mask(q_pos, k_pos, lp.window, lp.sinks)
+        return masked_attention(q, k, v, mask, scale, softcap)
+
+
+OP_REGISTRY: dict = {"window": WindowOp}
+
+
+def register_op(kind: str, factory: Callable) -> None:
+    OP_REGISTRY[kind] = factory
+
+
+@dataclass
+class AttentionPolicy:
+    layers: list = field(default_factory=list)  # [L] LayerPolicy
+    banded_min_tokens: Optional[int] = None
+    ops: list = field(default_factory=list, repr=False)
+
+    def __post_init__(self):
+        self.ops = []
+        for lp in self.layers:
+            _check_int("window", lp.window)
+            _check_int("sinks", lp.sinks, allow_none=False)
+            if lp.kind not in OP_REGISTRY:
+                raise LongattnError(f"unknown attention kind '{lp.kind}'; known: {', '.join(OP_REGISTRY)}")
+            self.ops.append(OP_REGISTRY[lp.kind](lp) if lp.kind != "window"
+                            else WindowOp(lp, self.banded_min_tokens))
+
+    def op(self, i: int):
+        return self.ops[i]
+
+    @property
+    def windows(self) -> list:
+        return [lp.window for lp in self.layers]
+
+    @property
+    def max_window(self) -> Optional[int]:
+        ws = [w for w in self.windows if w]
+        return max(ws) if ws and len(ws) == len(self.layers) else None
+
+    @classmethod
+    def from_config(cls, cfg, **kw) -> "AttentionPolicy":
+        """The checkpoint's own windows (no sinks)."""
+        return cls([LayerPolicy("window", w, 0) for w in cfg.layer_windows], **kw)
+
+    @classmethod
+    def build(cls, cfg, mode: str = "checkpoint", window=None, sinks: int = 0,
+              windows: Optional[list] = None, **kw) -> "AttentionPolicy":
+        """Make a policy for ``cfg``.
+
+        mode:
+            "checkpoint": trained windows; ``sinks`` added to windowed layers.
+            "dense": no window anywhere (warns when the checkpoint has windows).
+            "window": ``window`` (and ``sinks``) on every layer.
+            "global": ``window`` on the layers the checkpoint leaves global; trained
+                windows kept elsewhere.
+            "layers": ``windows`` is a per-layer list of int|None.
+        """
+        _check_int("window", window)
+        _check_int("sinks", sinks, allow_none=False)
+        L = cfg.num_layers
+        trained = list(cfg.layer_windows)
+        if window == 0:
+            window = None
+        if mode == "checkpoint":
+            ws = trained
+        elif mode == "dense":
+            if any(w is not None for w in trained):
+                warnings.warn("dense policy on a checkpoint trained with sliding windows: this runs a "
+                              "different function than the one the model was trained as", stacklevel=2)
+            ws = [None] * L
+        elif mode == "window":
+            if window is None:
+                raise LongattnError("--policy window needs --window W (a positive integer)")
+            ws = [window] * L
+        elif mode == "global":
+            if window is None:
+                raise LongattnError("--policy global needs --window W for the global layers")
+            ws = [window if t is None else t for t in trained]
+        elif mode == "layers":
+            if windows is None or len(windows) != L:
+                n = "none" if windows is None else len(windows)
+                raise LongattnError(f"per-layer window list has {n} entries; the model has {L} layers")
+            for w in windows:
+                _check_int("window", w)
+            ws = [None if not w else int(w) for w in windows]
+        else:
+            raise LongattnError(f"unknown policy mode '{mode}'; use checkpoint, dense, window, global or layers")
+        if sinks and all(w is None for w in ws):
+            raise LongattnError("sinks only matter with a window; pass --window W too")
+        return cls([LayerPolicy("window", w, sinks if w is not None else 0) for w in ws], **kw)
