@@ -27,9 +27,10 @@ class RMSNorm(nn.Module):
         self.plus_one = plus_one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        # statistics in at least float32 (float64 stays float64 for reference runs)
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        w = self.weight.float()
+        w = self.weight.to(xf.dtype)
         return (xf * ((1.0 + w) if self.plus_one else w)).to(x.dtype)
 
 
@@ -211,7 +212,7 @@ def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype = torch.f
         t = sd[k]
         if tuple(t.shape) != tuple(p.shape):
             raise LongattnError(f"tensor {k} has shape {tuple(t.shape)}, config expects {tuple(p.shape)}")
-        big = t.dim() == 2
+        big = t.dim() == 2 or dtype == torch.float64
         p.data = t.to(dtype if big else torch.float32).contiguous()
     m.eval()
     return m

@@ -1,0 +1,141 @@
+"""Shared fixtures: tiny random models of each family (made and saved with transformers)
+and real bundled checkpoints with transformers' own copy as the oracle.
+
+Both sides are cached (longattn's conversion in $LONGATTN_CACHE/converted, the oracle's
+float32 copy in $LONGATTN_CACHE/oracle) so only the first run pays for dequantizing.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(int(os.environ.get("LONGATTN_TEST_THREADS", "2")))
+warnings.filterwarnings("ignore")
+
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
+
+
+def tiny_hf_config(family: str, **over):
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
+    kw = dict(TINY, **({"num_hidden_layers": 6} if family == "gemma3" else {}), **over)
+    if family == "llama":
+        return LlamaConfig(rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, **kw)
+    if family == "qwen2":
+        return Qwen2Config(rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, **kw)
+    if family == "qwen3":
+        return Qwen3Config(rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, **kw)
+    if family == "gemma3":
+        L = kw["num_hidden_layers"]
+        return Gemma3TextConfig(
+            sliding_window=kw.pop("sliding_window", 8), query_pre_attn_scalar=16, rms_norm_eps=1e-6,
+            layer_types=["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(L)],
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+            **kw)
+    raise ValueError(family)
+
+
+def randomize(model, seed: int = 0) -> None:
+    """Random values in every parameter, norms and biases included, so nothing hides."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            scale = 0.3 if "norm" in name else (0.5 if "embed" in name else 0.15)
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_dir(family: str, seed: int = 0, **over) -> str:
+    """Save a random transformers model of ``family`` and return its directory."""
+    import tempfile
+    from transformers import AutoModelForCausalLM
+    cfg = tiny_hf_config(family, **over)
+    torch.manual_seed(seed)
+    m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    randomize(m, seed)
+    d = tempfile.mkdtemp(prefix=f"longattn-tiny-{family}-")
+    m.save_pretrained(d)
+    return d
+
+
+def tiny_pair(family: str, **over):
+    """(longattn model, transformers model) for a tiny random config."""
+    from transformers import AutoModelForCausalLM
+    from longattn.checkpoint import load_checkpoint
+    from longattn.models import build_model
+    d = tiny_dir(family, **over)
+    ck = load_checkpoint(d, with_tokenizer=False)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager").eval()
+    return build_model(ck.config, ck.state_dict), hf
+
+
+def tiny_model(family: str = "llama", dtype=torch.float32, **over):
+    from longattn.checkpoint import load_checkpoint
+    from longattn.models import build_model
+    ck = load_checkpoint(tiny_dir(family, **over), with_tokenizer=False)
+    return build_model(ck.config, ck.state_dict, dtype=dtype)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cache_dir(tmp_path_factory):
+    # Tests share the user's conversion cache (so real models are converted once per machine)
+    # unless LONGATTN_CACHE is already set.
+    yield
+
+
+# ---------------------------------------------------------------- real checkpoints
+
+@functools.lru_cache(maxsize=None)
+def real_checkpoint(name: str):
+    from longattn.checkpoint import load_checkpoint
+    return load_checkpoint(name, progress=False)
+
+
+@functools.lru_cache(maxsize=None)
+def real_model(name: str, dtype=torch.float32):
+    from longattn.models import build_model
+    ck = real_checkpoint(name)
+    return build_model(ck.config, ck.state_dict, dtype=dtype)
+
+
+def oracle_dir(name: str) -> str:
+    """transformers' own float32 copy of a bundled GGUF (converted by transformers, cached)."""
+    import json
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+    from longattn.checkpoint.load import _cache_key
+    from longattn.checkpoint.paths import atomic_dir, cache_root
+    ck = real_checkpoint(name)
+    target = cache_root() / "oracle" / _cache_key(ck.source)
+    if not (target / "model.safetensors").exists():
+        hf = AutoModelForCausalLM.from_pretrained(str(ck.source.parent), gguf_file=ck.source.name,
+                                                  dtype=torch.float32)
+        with atomic_dir(target) as tmp:
+            save_file({k: v.clone().contiguous() for k, v in hf.state_dict().items()},
+                      str(tmp / "model.safetensors"))
+            if hasattr(hf.config, "quantization_config"):
+                del hf.config.quantization_config
+            hf.config.save_pretrained(str(tmp))
+            (tmp / "source.json").write_text(json.dumps({"source": str(ck.source)}))
+        del hf
+    return str(target)
+
+
+@functools.lru_cache(maxsize=1)
+def oracle_model(name: str):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(oracle_dir(name), dtype=torch.float32).eval()
+
+
+def book_text(chars: int = 20000, name: str = "nltk_melville-moby_dick.txt") -> str:
+    from longattn.data import book_path
+    text = book_path(name).read_text(errors="ignore")
+    return text[5000: 5000 + chars]

@@ -1,0 +1,145 @@
+"""Windows and sinks on every attention site (full forward, chunked prefill, step decode,
+several streams batched): unset == dense bit for bit, window >= prompt == no window bit for
+bit, a real window changes the output, and all paths agree."""
+
+import itertools
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from longattn.errors import LongattnError
+from longattn.ops.masks import allowed_mask
+from longattn.policy import AttentionPolicy
+from longattn.session import Session
+
+T = 29
+
+
+def _ids(B=1, T=T, seed=0, vocab=96):
+    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def run_path(model, policy, ids, path):
+    """Logits [B, T, V] of ``ids`` through one of the attention sites."""
+    if path == "forward":
+        return model(ids, policy=policy)
+    s = Session(model, policy, batch=ids.shape[0])
+    if path == "chunked":
+        return s.prefill(ids, chunk=7, logits="all")
+    if path == "step":
+        out = [s.prefill(ids[:, :1], logits="all")[:, 0]]
+        for t in range(1, ids.shape[1]):
+            out.append(s.step(ids[:, t]))
+        return torch.stack(out, 1)
+    raise ValueError(path)
+
+
+PATHS = ["forward", "chunked", "step"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_unset_and_wide_window_are_dense_bit_for_bit(family, path):
+    m = tiny_model(family)
+    ids = _ids()
+    dense = run_path(m, AttentionPolicy.build(m.config, "layers", windows=[None] * m.config.num_layers), ids, path)
+    unset = run_path(m, AttentionPolicy([type(AttentionPolicy.from_config(m.config).layers[0])()] *
+                                        m.config.num_layers), ids, path)
+    wide = run_path(m, AttentionPolicy.build(m.config, "window", window=T), ids, path)
+    wide_sinks = run_path(m, AttentionPolicy.build(m.config, "window", window=T + 100, sinks=3), ids, path)
+    assert torch.equal(dense, unset)
+    assert torch.equal(dense, wide)
+    assert torch.equal(dense, wide_sinks)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_real_window_changes_output(path):
+    m = tiny_model("llama")
+    ids = _ids()
+    dense = run_path(m, AttentionPolicy.build(m.config, "dense"), ids, path)
+    win = run_path(m, AttentionPolicy.build(m.config, "window", window=6), ids, path)
+    delta = (dense - win).abs().max().item()
+    # positions < 6 see the same keys either way; later ones must change
+    assert torch.equal(dense[:, :6], win[:, :6])
+    assert delta > 1e-2, f"max |delta logit| = {delta:.3e}"
+    print(f"window 6 vs dense on {path}: max |delta logit| = {delta:.3f}")
+
+
+@pytest.mark.parametrize("family,window,sinks", [("llama", 5, 0), ("llama", 5, 2), ("gemma3", None, 0),
+                                                 ("gemma3", 4, 1), ("qwen3", 3, 4)])
+def test_all_paths_agree(family, window, sinks):
+    m = tiny_model(family)
+    m64 = tiny_model(family, dtype=torch.float64)
+    pol = AttentionPolicy.from_config(m.config) if window is None else \
+        AttentionPolicy.build(m.config, "window", window=window, sinks=sinks)
+    ids = _ids(2, seed=5)
+    ref = m64(ids, policy=pol)
+    full = run_path(m, pol, ids, "forward")
+    tol = 2 * (full.double() - ref).abs().max().item() + 1e-6
+    for p in ("chunked", "step"):
+        err = (run_path(m, pol, ids, p).double() - ref).abs().max().item()
+        assert err <= tol, f"{p}: {err:.2e} > {tol:.2e}"
+
+
+@pytest.mark.parametrize("family,window,sinks", [("llama", None, 0), ("gemma3", None, 0), ("llama", 4, 2)])
+def test_streams_batched_equal_each_alone(family, window, sinks):
+    """Streams of different lengths prefilled and decoded together == each alone."""
+    m = tiny_model(family)
+    m64 = tiny_model(family, dtype=torch.float64)
+    pol = AttentionPolicy.from_config(m.config) if window is None else \
+        AttentionPolicy.build(m.config, "window", window=window, sinks=sinks)
+    lens = [5, 17, 11]
+    prompts = [_ids(1, n, seed=10 + i)[0].tolist() for i, n in enumerate(lens)]
+    cont = [_ids(1, 6, seed=20 + i)[0] for i in range(3)]
+    s = Session(m, pol, batch=3)
+    batched = [s.prefill(prompts, chunk=4)[:, 0]]
+    for t in range(6):
+        batched.append(s.step(torch.stack([c[t] for c in cont])))
+    batched = torch.stack(batched, 1)  # [3, 7, V]
+    for b in range(3):
+        full = torch.tensor([prompts[b] + cont[b].tolist()])
+        ref = m64(full, policy=pol)[0, lens[b] - 1: lens[b] + 6]
+        alone = m(full, policy=pol)[0, lens[b] - 1: lens[b] + 6]
+        tol = 2 * (alone.double() - ref).abs().max().item() + 1e-6
+        err = (batched[b].double() - ref).abs().max().item()
+        assert err <= tol, f"stream {b}: {err:.2e} > {tol:.2e}"
+
+
+@pytest.mark.parametrize("W,S", list(itertools.product([1, 2, 5], [0, 1, 3])))
+def test_sink_mask_is_explicit(W, S):
+    n = 14
+    pos = torch.arange(n)[None]
+    m = allowed_mask(pos, pos, W, S)[0, 0]
+    for i in range(n):
+        for j in range(n):
+            want = j <= i and (i - j < W or j < S)
+            assert bool(m[i, j]) == want, (i, j)
+
+
+def test_sinks_reach_in_model():
+    """With window 3 and 2 sinks, a 1-layer-deep change outside window+sinks is invisible."""
+    m = tiny_model("llama", num_hidden_layers=1)
+    pol = AttentionPolicy.build(m.config, "window", window=3, sinks=2)
+    a = _ids(1, 12, seed=7)
+    b = a.clone()
+    b[0, 4] = (b[0, 4] + 1) % 96          # position 4: outside the window of query 11, not a sink
+    c = a.clone()
+    c[0, 1] = (c[0, 1] + 1) % 96          # position 1: a sink, read by every query
+    la, lb, lc = (m(x, policy=pol)[0, 11] for x in (a, b, c))
+    assert torch.equal(la, lb)
+    assert (la - lc).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(mode="window", window=-1), "non-negative"),
+    (dict(mode="window", window=2.5), "integer"),
+    (dict(mode="window", window=4, sinks=-2), "non-negative"),
+    (dict(mode="layers", windows=[4]), "layers"),
+    (dict(mode="window"), "needs --window"),
+    (dict(mode="checkpoint", sinks=2), "sinks only matter"),
+])
+def test_bad_policy_settings(kw, needle):
+    m = tiny_model("llama")
+    with pytest.raises(LongattnError, match=needle):
+        AttentionPolicy.build(m.config, **kw)
