@@ -107,32 +107,14 @@ def real_model(name: str, dtype=torch.float32):
 
 
 def oracle_dir(name: str) -> str:
-    """transformers' own float32 copy of a bundled GGUF (converted by transformers, cached)."""
-    import json
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-    from longattn.checkpoint.load import _cache_key
-    from longattn.checkpoint.paths import atomic_dir, cache_root
-    ck = real_checkpoint(name)
-    target = cache_root() / "oracle" / _cache_key(ck.source)
-    if not (target / "model.safetensors").exists():
-        hf = AutoModelForCausalLM.from_pretrained(str(ck.source.parent), gguf_file=ck.source.name,
-                                                  dtype=torch.float32)
-        with atomic_dir(target) as tmp:
-            save_file({k: v.clone().contiguous() for k, v in hf.state_dict().items()},
-                      str(tmp / "model.safetensors"))
-            if hasattr(hf.config, "quantization_config"):
-                del hf.config.quantization_config
-            hf.config.save_pretrained(str(tmp))
-            (tmp / "source.json").write_text(json.dumps({"source": str(ck.source)}))
-        del hf
-    return str(target)
+    from longattn.checkpoint.oracle import oracle_dir as _od
+    return _od(name)
 
 
 @functools.lru_cache(maxsize=1)
 def oracle_model(name: str):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(oracle_dir(name), dtype=torch.float32).eval()
+    from longattn.checkpoint.oracle import oracle_model as _om
+    return _om(name)
 
 
 def book_text(chars: int = 20000, name: str = "nltk_melville-moby_dick.txt") -> str:

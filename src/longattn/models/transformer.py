@@ -167,7 +167,10 @@ class Transformer(nn.Module):
             pos = start + torch.arange(T, dtype=torch.int64)  # [B, T]
         if policy is None:
             policy = AttentionPolicy.from_config(cfg)
-        x = self.model.embed_tokens(ids.clamp(min=0))
+        # activations stay float32 (or float64 in reference runs) whatever the weight dtype
+        emb = self.model.embed_tokens.weight
+        x = self.model.embed_tokens(ids.clamp(min=0)).to(torch.float64 if emb.dtype == torch.float64
+                                                           else torch.float32)
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
         for i, block in enumerate(self.model.layers):

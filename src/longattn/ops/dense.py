@@ -11,6 +11,30 @@ import torch
 import torch.nn.functional as F
 
 
+# Below this many queries (decode steps, tiny chunks) explicit grouped matmuls beat the fused
+# CPU kernel, whose per-call set-up dominated a decode step (2.1 ms of ~3 ms per layer).
+SMALL_QUERY = 16
+
+
+def small_query_attention(q, k, v, mask, scale):
+    """Explicit GQA attention for few queries without copying K/V per query head.
+
+    q ``[B, H, Tq, D]`` is viewed as ``[B, Hkv, rep * Tq, D]`` so each KV head is read once.
+    """
+    B, H, Tq, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    rep = H // Hkv
+    qg = q.reshape(B, Hkv, rep * Tq, D)
+    s = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [B, Hkv, rep*Tq, S]
+    s = s.view(B, Hkv, rep, Tq, S)
+    m = mask.view(B, 1, 1, Tq, S)
+    s = s.masked_fill(~m, float("-inf"))
+    any_ok = m.any(dim=-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(~any_ok, 0.0), dim=-1) * any_ok
+    o = torch.matmul(p.view(B, Hkv, rep * Tq, S), v)  # [B, Hkv, rep*Tq, D]
+    return o.view(B, H, Tq, D)
+
+
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                      scale: float, softcap: float | None = None) -> torch.Tensor:
     """Grouped-query attention under a boolean mask.
@@ -27,6 +51,8 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         from .reference import reference_attention
         return reference_attention(q, k, v, mask, scale, softcap)
     H, Hkv = q.shape[1], k.shape[1]
+    if q.shape[2] <= SMALL_QUERY:
+        return small_query_attention(q, k, v, mask, scale)
     any_ok = mask.any(dim=-1, keepdim=True)  # [B, 1, Tq, 1]
     # A fully masked row would make SDPA produce NaN; give it one dummy key and zero it after.
     safe = mask | ~any_ok
