@@ -143,3 +143,28 @@ def test_bad_policy_settings(kw, needle):
     m = tiny_model("llama")
     with pytest.raises(LongattnError, match=needle):
         AttentionPolicy.build(m.config, **kw)
+
+
+def test_model_prefill_takes_banded_path_and_agrees():
+    """Windowed layers of a long prefill run banded attention (threshold lowered to 16
+    tokens here); the result agrees with the masked-SDPA path within 2x its float32 error."""
+    import longattn.ops.banded as banded_mod
+    m = tiny_model("gemma3")
+    m64 = tiny_model("gemma3", dtype=torch.float64)
+    ids = _ids(1, 70, seed=9)
+    calls = []
+    orig = banded_mod.banded_attention
+
+    def spy(*a, **k):
+        calls.append(a[3])
+        return orig(*a, **k)
+    banded_mod.banded_attention = spy
+    try:
+        fast = m(ids, policy=AttentionPolicy.from_config(m.config, banded_min_tokens=16))
+    finally:
+        banded_mod.banded_attention = orig
+    plain = m(ids, policy=AttentionPolicy.from_config(m.config, banded_min_tokens=None))
+    ref = m64(ids, policy=AttentionPolicy.from_config(m.config, banded_min_tokens=None))
+    assert calls == [8, 8, 8, 8]  # the four local layers, window 8
+    tol = 2 * (plain.double() - ref).abs().max().item() + 1e-6
+    assert (fast.double() - ref).abs().max().item() <= tol

@@ -52,9 +52,26 @@ class WindowOp:
 
     def __call__(self, q, q_pos, k, v, k_pos, scale, softcap=None, layer=0, cache=None):
         lp = self.lp
+        if self._banded_applies(q, q_pos, k_pos, softcap):
+            from .ops.banded import banded_attention
+            return banded_attention(q, k, v, lp.window, lp.sinks, scale)
         mask = allowed_mask(q_pos, k_pos, lp.window, lp.sinks)
         return masked_attention(q, k, v, mask, scale, softcap)
 
+
+    def _banded_applies(self, q, q_pos, k_pos, softcap) -> bool:
+        """Banded pays off for long windowed prefills over keys laid out as 0..Tk-1."""
+        lp, Tq, Tk = self.lp, q.shape[2], k_pos.shape[1]
+        if (self.banded_min_tokens is None or lp.window is None or softcap is not None
+                or q.shape[0] != 1 or Tq < self.banded_min_tokens or lp.window >= Tk):
+            return False
+        ar = torch.arange(Tk, dtype=k_pos.dtype)
+        return bool(torch.equal(k_pos[0], ar) and torch.equal(q_pos[0], ar[Tk - Tq:]))
+
+
+# Prefill chunks at least this long take the banded path on windowed layers; below it the
+# fused causal kernel wins (benchmarks/prefill_attention.py: crossover near 2K at W=1024).
+BANDED_MIN_TOKENS = 2048
 
 OP_REGISTRY: dict = {"window": WindowOp}
 
@@ -66,7 +83,7 @@ def register_op(kind: str, factory: Callable) -> None:
 @dataclass
 class AttentionPolicy:
     layers: list = field(default_factory=list)  # [L] LayerPolicy
-    banded_min_tokens: Optional[int] = None
+    banded_min_tokens: Optional[int] = BANDED_MIN_TOKENS
     ops: list = field(default_factory=list, repr=False)
 
     def __post_init__(self):
