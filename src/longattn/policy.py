@@ -73,10 +73,17 @@ class WindowOp:
 # fused causal kernel wins (benchmarks/prefill_attention.py: crossover near 2K at W=1024).
 BANDED_MIN_TOKENS = 2048
 
-OP_REGISTRY: dict = {"window": WindowOp}
+def _window_factory(lp: LayerPolicy, policy: "AttentionPolicy", layer: int) -> WindowOp:
+    return WindowOp(lp, policy.banded_min_tokens)
+
+
+# kind -> factory(layer_policy, attention_policy, layer_index) returning the layer's op.
+OP_REGISTRY: dict = {"window": _window_factory}
 
 
 def register_op(kind: str, factory: Callable) -> None:
+    """Add an attention kind: ``factory(lp, policy, layer) -> op`` where ``op(q, q_pos, k, v,
+    k_pos, scale, softcap, layer, cache)`` returns ``[B, H, Tq, D]``."""
     OP_REGISTRY[kind] = factory
 
 
@@ -84,17 +91,19 @@ def register_op(kind: str, factory: Callable) -> None:
 class AttentionPolicy:
     layers: list = field(default_factory=list)  # [L] LayerPolicy
     banded_min_tokens: Optional[int] = BANDED_MIN_TOKENS
+    sparse_config: Optional[object] = None  # SCSAConfig for "sparse" layers
     ops: list = field(default_factory=list, repr=False)
 
     def __post_init__(self):
+        if any(lp.kind == "sparse" for lp in self.layers):
+            from . import sparse_policy  # noqa: F401  (registers the "sparse" kind)
         self.ops = []
         for lp in self.layers:
             _check_int("window", lp.window)
             _check_int("sinks", lp.sinks, allow_none=False)
             if lp.kind not in OP_REGISTRY:
                 raise LongattnError(f"unknown attention kind '{lp.kind}'; known: {', '.join(OP_REGISTRY)}")
-            self.ops.append(OP_REGISTRY[lp.kind](lp) if lp.kind != "window"
-                            else WindowOp(lp, self.banded_min_tokens))
+            self.ops.append(OP_REGISTRY[lp.kind](lp, self, len(self.ops)))
 
     def op(self, i: int):
         return self.ops[i]

@@ -1,0 +1,89 @@
+"""Wire SCSA into the model as the "sparse" attention kind.
+
+A sparse layer runs exact masked attention for prefill chunks and SCSA for single-token
+decode steps over its growing cache (below ``SCSAConfig.min_context`` SCSA itself runs
+dense). On a hybrid checkpoint (Gemma 3) the default sparse layers are the global ones;
+windowed layers keep their trained windows (or an imposed window + sinks).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .errors import LongattnError
+from .ops.dense import masked_attention
+from .ops.masks import allowed_mask
+from .policy import AttentionPolicy, LayerPolicy, register_op
+from .sparse import SCSAConfig, SCSALayer
+
+
+class SparseOp:
+    """Exact attention for prefill, SCSA for decode (one SCSALayer per model layer)."""
+
+    def __init__(self, lp: LayerPolicy, policy: AttentionPolicy, layer: int):
+        self.lp = lp
+        self.cfg = policy.sparse_config or SCSAConfig()
+        self.layer_index = layer
+        self.scsa: Optional[SCSALayer] = None
+
+    def __call__(self, q, q_pos, k, v, k_pos, scale, softcap=None, layer=0, cache=None):
+        B, H, Tq, D = q.shape
+        if Tq > 1 or softcap is not None or cache is None:
+            return masked_attention(q, k, v, allowed_mask(q_pos, k_pos, None, 0), scale, softcap)
+        if self.scsa is None:
+            self.scsa = SCSALayer(self.cfg, H, k.shape[1], D, layer_index=self.layer_index)
+        # SCSA reads the append-only cache slot i = i-th token; padding slots would break that.
+        if bool((k_pos < 0).any()):
+            raise LongattnError("the sparse policy needs unpadded streams (one stream, or equal lengths)")
+        return self.scsa.attend(q, k, v, scale)
+
+
+register_op("sparse", lambda lp, policy, layer: SparseOp(lp, policy, layer))
+
+
+def build_sparse_policy(cfg, scsa: Optional[SCSAConfig] = None, layers: Optional[list] = None,
+                        window: Optional[int] = None, sinks: int = 0) -> AttentionPolicy:
+    """SCSA on ``layers`` (default: the checkpoint's global layers, i.e. every layer of a
+    full-attention model); other layers keep their trained window, or ``window``/``sinks``."""
+    L = cfg.num_layers
+    if layers is None:
+        layers = [i for i, w in enumerate(cfg.layer_windows) if w is None]
+    bad = [i for i in layers if not 0 <= i < L]
+    if bad:
+        raise LongattnError(f"sparse layers {bad} out of range for a {L}-layer model")
+    out = []
+    for i in range(L):
+        if i in layers:
+            out.append(LayerPolicy("sparse", None, 0))
+        else:
+            w = window if window is not None else cfg.layer_windows[i]
+            out.append(LayerPolicy("window", w, sinks if w else 0))
+    return AttentionPolicy(out, sparse_config=scsa or SCSAConfig())
+
+
+def sparse_policy(cfg, args) -> AttentionPolicy:
+    """CLI hook for ``--policy sparse`` (``--window/--sinks`` apply to non-sparse layers)."""
+    kw = {}
+    if getattr(args, "sparse_min_context", None) is not None:
+        kw["min_context"] = args.sparse_min_context
+    if getattr(args, "sparse_tolerance", None) is not None:
+        kw["tolerance"] = args.sparse_tolerance
+    return build_sparse_policy(cfg, SCSAConfig(**kw), window=args.window, sinks=args.sinks)
+
+
+def sparse_ops(policy: AttentionPolicy) -> list:
+    """The SparseOp of every sparse layer (counters, taus)."""
+    return [op for op in policy.ops if isinstance(op, SparseOp)]
+
+
+def save_taus(policy: AttentionPolicy, path) -> None:
+    import json
+    taus = {}
+    for op in sparse_ops(policy):
+        if op.scsa is not None:
+            for h, t in enumerate(op.scsa.taus.tolist()):
+                taus[f"{op.layer_index}:{h}"] = t
+    with open(path, "w") as f:
+        json.dump(taus, f, indent=1)
