@@ -37,7 +37,8 @@ class Session:
     Args:
         model: a Transformer.
         policy: AttentionPolicy (default: the checkpoint's windows).
-        cache: a KVCache (default: growing cache per layer for ``batch`` streams).
+        cache: a KVCache (default: ``make_cache(kind="auto")`` — ring caches on windowed
+            layers, so Gemma 3's local layers stay bounded; growing caches elsewhere).
         batch: number of streams when ``cache`` is not given.
     """
 
@@ -46,7 +47,10 @@ class Session:
         self.model = model
         self.cfg = model.config
         self.policy = policy or AttentionPolicy.from_config(self.cfg)
-        self.cache = cache if cache is not None else KVCache(self.cfg, batch)
+        if cache is None:
+            from .cache.factory import make_cache
+            cache = make_cache(self.cfg, self.policy, batch=batch, kind="auto", model=model)
+        self.cache = cache
         self.batch = self.cache.batch
 
     def prefill(self, prompts, chunk: int = 512, logits: str = "last",

@@ -81,6 +81,10 @@ class RingLayerCache(LayerCache):
         self.k = torch.zeros(batch, kv_heads, cap, head_dim, dtype=dtype)  # [B, Hkv, S+W, D]
         self.v = torch.zeros_like(self.k)
         self.pos = torch.full((batch, cap), -1, dtype=torch.int64)         # [B, S+W]
+        # Slots [hi, S+W) have never been written in any row. Views stop at hi, so before the
+        # ring wraps a view is laid out exactly like a growing cache's (slot i = position i):
+        # same shapes, same summation order, bit-identical results (DESIGN invariant 2).
+        self.hi = 0
 
     # ------------------------------------------------------------------ interface
 
@@ -92,15 +96,18 @@ class RingLayerCache(LayerCache):
         """Store ``k, v [B, Hkv, T, D]`` at positions ``pos [B, T]`` (-1 = padding, not stored).
 
         Returns ``(k_all, v_all, k_pos)``: ``[B, Hkv, N, D]`` twice and ``[B, N]`` absolute
-        positions, N = ``sinks + window`` (+ T when T > 1). See the module doc.
+        positions, N = the written slots (``sinks + window`` once the ring is full) plus T when
+        T > 1. See the module doc.
         """
         if k.shape[2] == 1:
             self._write(k, v, pos)
-            k_all, v_all, k_pos = self.k, self.v, self.pos
+            h = self.hi
+            k_all, v_all, k_pos = self.k[:, :, :h], self.v[:, :, :h], self.pos[:, :h]
         else:
-            k_all = torch.cat((self.k, k), dim=2)  # [B, Hkv, S+W+T, D]
-            v_all = torch.cat((self.v, v), dim=2)
-            k_pos = torch.cat((self.pos, pos), dim=1)  # [B, S+W+T]
+            h = self.hi
+            k_all = torch.cat((self.k[:, :, :h], k), dim=2)  # [B, Hkv, hi+T, D]
+            v_all = torch.cat((self.v[:, :, :h], v), dim=2)
+            k_pos = torch.cat((self.pos[:, :h], pos), dim=1)  # [B, hi+T]
             self._write(k, v, pos)
         if self.reindex:
             k_all = self._reindexed_keys(k_all, k_pos, pos)
@@ -136,6 +143,7 @@ class RingLayerCache(LayerCache):
         self.k[b, :, s] = k[b, :, t].to(self.dtype)  # [N, Hkv, D]
         self.v[b, :, s] = v[b, :, t].to(self.dtype)
         self.pos[b, s] = p
+        self.hi = max(self.hi, int(s.max()) + 1)
 
     def sink_gap(self, q_pos: torch.Tensor) -> torch.Tensor:
         """``[B]`` how far re-indexing moves the sinks for a chunk at ``q_pos [B, T]``:
@@ -179,6 +187,8 @@ class RingLayerCache(LayerCache):
         self.k[b, :, s] = k[b, :, n]
         self.v[b, :, s] = v[b, :, n]
         self.pos[b, s] = pos[b, n]
+        filled = (self.pos >= 0).any(dim=0).nonzero()
+        self.hi = int(filled.max()) + 1 if filled.numel() else 0
 
 
 register_layer_cache("ring", RingLayerCache)
