@@ -16,3 +16,12 @@ GEMMA3_LOCAL_ROPE_THETA = 10000.0  # rope base on sliding (local) layers
 
 def gemma3_layer_is_global(i: int) -> bool:
     return (i + 1) % GEMMA3_GLOBAL_EVERY == 0
+
+# The Gemma 3 GGUF carries no ``tokenizer.chat_template``. Gemma's published turn format
+# (model card "Prompt format"): each turn is ``<start_of_turn>{role}\n{text}<end_of_turn>\n``
+# with roles "user" and "model", after <bos>; generation starts after ``<start_of_turn>model\n``.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+    "<start_of_turn>{{ role }}\n{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")

@@ -23,7 +23,7 @@ from ..errors import LongattnError
 from .bundled import resolve_model
 from .paths import atomic_dir, cache_root
 
-CONVERTER_VERSION = "1"
+CONVERTER_VERSION = "2"  # bump when the converted layout changes
 
 
 @dataclass
@@ -67,6 +67,9 @@ def _convert_gguf(src: Path, target: Path, progress: bool) -> None:
             return tqdm(items, total=total, desc=f"converting {src.name}", unit="tensor", leave=False)
     cfg, sd = load_gguf(src, progress=bar)
     tok = load_tokenizer(src.parent, gguf_file=src.name)
+    if cfg.family == "gemma3" and not getattr(tok, "chat_template", None):
+        from .family_gaps import GEMMA3_CHAT_TEMPLATE
+        tok.chat_template = GEMMA3_CHAT_TEMPLATE
     with atomic_dir(target) as tmp:
         save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp / "model.safetensors"))
         (tmp / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
