@@ -1,0 +1,62 @@
+"""Sampling: greedy, temperature, top-k, top-p, seeds, stop tokens, streamed callbacks."""
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from longattn.errors import LongattnError
+from longattn.sampling import SamplingConfig, sample
+from longattn.session import Session, generate
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sample(logits, SamplingConfig(0.0)), logits.argmax(-1))
+
+
+def test_top_k_only_picks_top_k():
+    logits = torch.randn(1, 100, generator=torch.Generator().manual_seed(1))
+    top = set(torch.topk(logits[0], 5).indices.tolist())
+    g = torch.Generator().manual_seed(0)
+    picks = {int(sample(logits, SamplingConfig(1.0, top_k=5), g)) for _ in range(300)}
+    assert picks <= top and len(picks) > 1
+
+
+def test_top_p_keeps_smallest_nucleus():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    g = torch.Generator().manual_seed(0)
+    picks = {int(sample(probs.log(), SamplingConfig(1.0, top_p=0.7), g)) for _ in range(300)}
+    assert picks == {0, 1}  # 0.5 < 0.7 needs the second; 0.8 >= 0.7 stops there
+
+
+def test_seed_reproducible_and_stop_tokens():
+    m = tiny_model("llama")
+    cfg = SamplingConfig(1.0, top_k=20, seed=7)
+    a = generate(Session(m), [[1, 2, 3]], 20, cfg).tokens[0]
+    b = generate(Session(m), [[1, 2, 3]], 20, cfg).tokens[0]
+    assert a == b and len(a) == 20
+    stop = a[5]
+    first = a.index(stop)
+    seen = []
+    r = generate(Session(m), [[1, 2, 3]], 20, cfg, stop_ids={stop}, on_token=lambda s, t: seen.append(t))
+    assert r.tokens[0] == a[:first] == seen and r.stopped == [True]
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_k=-2), dict(top_p=0.0), dict(top_p=1.5)])
+def test_bad_sampling_settings(kw):
+    with pytest.raises(LongattnError):
+        SamplingConfig(**kw)
+
+
+def test_bf16_weights_close_to_f32_weights_rounded():
+    """bf16 weights: the same function as float32 weights rounded to bf16 with inputs of each
+    projection rounded to bf16; agreement bounded by bf16's relative step (2^-8) per layer."""
+    m32 = tiny_model("llama")
+    mbf = tiny_model("llama", dtype=torch.bfloat16)
+    ids = torch.randint(0, 96, (1, 24), generator=torch.Generator().manual_seed(3))
+    a, b = m32(ids), mbf(ids)
+    assert b.dtype == torch.float32
+    rel = ((a - b).norm() / a.norm()).item()
+    # 3 layers x 7 projections, each rounding inputs and weights by <= 2^-9 relative
+    assert rel < 3 * 7 * 2 * 2 ** -9, rel
+    assert rel > 0  # it really ran in bf16
