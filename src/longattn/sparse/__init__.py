@@ -1,0 +1,14 @@
+"""SCSA: self-calibrating, training-free sparse decode attention over a layer's KV cache.
+
+    from longattn.sparse import SCSAConfig, SCSALayer
+    layer = SCSALayer(SCSAConfig(), num_heads=14, num_kv_heads=2, head_dim=64, layer_index=3)
+    out = layer.attend(q, k, v, scale)   # q [B, H, 1, D]; k, v [B, Hkv, N, D] (whole cache)
+
+Modules: ``config`` (settings), ``clustering`` (splitting + summaries), ``packing`` (q8_0/f16/f32
+rows), ``index`` (incremental per-row index), ``tree`` (hierarchical summaries), ``kernel`` (the
+fast selection and merged softmax), ``serial`` (the slow reference path), ``calibrate`` (tau),
+``layer`` (the operator), ``synthetic`` (clustered test caches).
+"""
+
+from .config import SCSAConfig  # noqa: F401
+from .layer import SCSALayer  # noqa: F401

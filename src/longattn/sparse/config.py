@@ -1,0 +1,102 @@
+"""SCSAConfig: the hyperparameters of the sparse decode operator, validated once.
+
+Every field is a knob a user may turn; ``__post_init__`` rejects impossible settings with one
+clear line (LongattnError) so a bad setting never reaches the decode loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import LongattnError
+
+PACKINGS = ("q8_0", "f16", "f32")
+MAX_RANK = 8
+
+# Thresholds replayed during self-calibration (0 = dense, always present as the fallback).
+DEFAULT_TAU_GRID = (0.0, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32)
+
+
+@dataclass(slots=True)
+class SCSAConfig:
+    """Self-Calibrating Sparse Attention settings (one object per model, shared by layers).
+
+    Fields:
+        cluster_size: most keys per leaf cluster.
+        rank: eigenpairs kept per cluster covariance (0..8); the rest is a residual diagonal.
+        power_iterations: power-iteration steps per eigenpair.
+        packing: member-row storage: "q8_0" (int8, one scale per 32-value block), "f16", or
+            "f32" (full precision; a diagnostic packing that makes tau = 0 equal dense to
+            floating-point rounding).
+        rebuild_interval: the sealed region grows in steps of this many tokens.
+        block_size: a region of this many sealed rows is clustered once and frozen for good
+            (a multiple of rebuild_interval, so blocks freeze exactly at a rebuild).
+        sink: first positions always attended exactly.
+        recent: newest positions always attended exactly (plus the not-yet-rebuilt part).
+        calib_steps: decode calls (with an index) run exactly while calibrating tau.
+        tolerance: target median relative output error per head during calibration.
+        tau_default: threshold before calibration ends and for heads never calibrated.
+        tau_grid: thresholds replayed during calibration (ascending, in [0, 1]).
+        hierarchical: select by a best-first walk of an interval tree over the clusters.
+        tree_fanout: children per internal tree node (hierarchical mode).
+        serial: use the slow per-cluster reference path (diagnostics, tests).
+        min_context: below this many cached tokens the layer runs dense, exactly.
+    """
+
+    cluster_size: int = 128
+    rank: int = 2
+    power_iterations: int = 4
+    packing: str = "q8_0"
+    rebuild_interval: int = 512
+    block_size: int = 4096
+    sink: int = 4
+    recent: int = 32
+    calib_steps: int = 32
+    tolerance: float = 0.025
+    tau_default: float = 0.05
+    tau_grid: tuple = DEFAULT_TAU_GRID
+    hierarchical: bool = False
+    tree_fanout: int = 4
+    serial: bool = False
+    min_context: int = 8192
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise LongattnError naming the first impossible setting (also run by SCSALayer, since a
+        config may be edited after construction)."""
+        def bad(msg: str) -> None:
+            raise LongattnError(f"SCSAConfig: {msg}")
+
+        if self.cluster_size < 1:
+            bad(f"cluster_size must be >= 1, got {self.cluster_size}")
+        if not 0 <= self.rank <= MAX_RANK:
+            bad(f"rank must be in 0..{MAX_RANK}, got {self.rank}")
+        if self.power_iterations < 1:
+            bad(f"power_iterations must be >= 1, got {self.power_iterations}")
+        if self.packing not in PACKINGS:
+            bad(f"packing must be one of {', '.join(PACKINGS)}, got {self.packing!r}")
+        if self.rebuild_interval < 1:
+            bad(f"rebuild_interval must be >= 1, got {self.rebuild_interval}")
+        if self.block_size < self.cluster_size:
+            bad(f"block_size ({self.block_size}) must be >= cluster_size ({self.cluster_size})")
+        if self.block_size % self.rebuild_interval:
+            bad(f"block_size ({self.block_size}) must be a multiple of rebuild_interval "
+                f"({self.rebuild_interval}) so blocks freeze at a rebuild")
+        if self.sink < 0 or self.recent < 0:
+            bad(f"sink and recent must be >= 0, got sink={self.sink} recent={self.recent}")
+        if self.calib_steps < 0:
+            bad(f"calib_steps must be >= 0, got {self.calib_steps}")
+        if not self.tolerance > 0:
+            bad(f"tolerance must be > 0, got {self.tolerance}")
+        if not 0.0 <= self.tau_default <= 1.0:
+            bad(f"tau_default must be in [0, 1], got {self.tau_default}")
+        grid = tuple(float(t) for t in self.tau_grid)
+        if not grid or any(not 0.0 <= t <= 1.0 for t in grid) or list(grid) != sorted(set(grid)):
+            bad(f"tau_grid must be non-empty, strictly ascending, within [0, 1]; got {self.tau_grid}")
+        self.tau_grid = grid
+        if self.tree_fanout < 2:
+            bad(f"tree_fanout must be >= 2, got {self.tree_fanout}")
+        if self.min_context < 0:
+            bad(f"min_context must be >= 0, got {self.min_context}")

@@ -1,0 +1,159 @@
+"""Incremental cluster index over one batch row's append-only cache (all KV heads of a layer).
+
+Regions of the cache (slots are absolute positions):
+
+    [0, sink)            always exact
+    [sink, seal_end)     sealed: clustered, summarised and packed, in blocks of ``block_size``
+    [seal_end, N)        unsealed suffix (``recent`` plus what is not rebuilt yet): always exact
+
+``seal_end = sink + floor((N - sink - recent) / rebuild_interval) * rebuild_interval``, so the
+sealed region grows in steps of ``rebuild_interval``. Block j covers
+``[sink + j*block_size, sink + (j+1)*block_size)``; a full block is frozen for good, and at each
+rebuild only the growing last block is re-split and re-packed. Cluster ids of block j start at
+``j * ceil(block_size / cluster_size)``, so a frozen block's clusters never move and the index
+after any sequence of appends equals the index built from scratch over the same keys.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .clustering import cluster_block
+from .config import SCSAConfig
+from .packing import make_store
+from .tree import ClusterTree, build_tree
+
+
+class ClusterIndex:
+    """Summaries, packed rows and (optionally) the interval tree of one cache row."""
+
+    def __init__(self, cfg: SCSAConfig, num_kv_heads: int, head_dim: int) -> None:
+        self.cfg = cfg
+        self.hkv, self.d = num_kv_heads, head_dim
+        self.clusters_per_block = -(-cfg.block_size // cfg.cluster_size)
+        self.reset()
+
+    # --- state ---------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Drop every cluster (the next update replans from scratch)."""
+        cfg, hkv, d, cs, r = self.cfg, self.hkv, self.d, self.cfg.cluster_size, self.cfg.rank
+        self.seal_end = cfg.sink
+        self.frozen_blocks = 0
+        self.num_clusters = 0
+        self.capacity = 0
+        self.counts = torch.zeros(0, dtype=torch.int64)        # [C]
+        self.log_counts = torch.zeros(0)                       # [C]
+        self.summ = torch.zeros(hkv, 0, 1 + r, d)              # [Hkv, C, 1+r, D]
+        self.resid = torch.zeros(hkv, 0, d)                    # [Hkv, C, D]
+        self.vmean = torch.zeros(hkv, 0, d)                    # [Hkv, C, D]
+        self.diagvar = torch.zeros(hkv, 0, d)                  # [Hkv, C, D]
+        self.radius = torch.zeros(hkv, 0)                      # [Hkv, C]
+        self.eigval = torch.zeros(hkv, 0, r)                   # [Hkv, C, r]
+        self.slots = torch.zeros(hkv, 0, cs, dtype=torch.int64)  # [Hkv, C, cs], -1 = padding
+        self.pad_bias = torch.zeros(0, cs)                     # [C, cs]: 0 member, -inf padding
+        self.store = make_store(cfg.packing, hkv, cs, d)
+        self.tree: ClusterTree | None = None
+        self._fingerprint: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._views()
+
+    def _views(self) -> None:
+        """Cached views of the live clusters for the hot path."""
+        M = self.num_clusters
+        self.live_summ = self.summ[:, :M]
+        self.live_resid = self.resid[:, :M]
+        self.live_vmean = self.vmean[:, :M]
+        self.live_radius = self.radius[:, :M]
+        self.live_log_counts = self.log_counts[:M]
+        self.has_padding = bool(M) and bool((self.counts[:M] < self.cfg.cluster_size).any())
+
+    def _ensure(self, clusters: int) -> None:
+        if clusters <= self.capacity:
+            return
+        cap = max(clusters, 2 * self.capacity, 16)
+        for name, dim in (("counts", 0), ("log_counts", 0), ("summ", 1), ("resid", 1), ("vmean", 1),
+                          ("diagvar", 1), ("radius", 1), ("eigval", 1), ("slots", 1), ("pad_bias", 0)):
+            t = getattr(self, name)
+            shape = list(t.shape)
+            shape[dim] = cap
+            fill = -1 if name == "slots" else 0
+            out = torch.full(shape, fill, dtype=t.dtype)
+            out.narrow(dim, 0, t.shape[dim]).copy_(t)
+            setattr(self, name, out)
+        self.store.ensure(cap)
+        self.capacity = cap
+
+    # --- maintenance ---------------------------------------------------------------------
+    def target_seal_end(self, n: int) -> int:
+        """Where the sealed region ends for a cache of ``n`` slots."""
+        cfg = self.cfg
+        usable = n - cfg.sink - cfg.recent
+        if usable < cfg.rebuild_interval:
+            return cfg.sink
+        return cfg.sink + (usable // cfg.rebuild_interval) * cfg.rebuild_interval
+
+    def _same_cache(self, k: torch.Tensor) -> bool:
+        if self._fingerprint is None:
+            return True
+        first, last = self._fingerprint
+        return torch.equal(k[:, self.cfg.sink], first) and torch.equal(k[:, self.seal_end - 1], last)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Bring the index up to date with the cache; returns how many blocks were (re)built.
+
+        Args:
+            k, v: ``[Hkv, N, D]``, the whole cache of this row (append-only between calls).
+        A cache shorter than the sealed region, or whose sealed keys changed, is replanned.
+        """
+        cfg = self.cfg
+        n = k.shape[1]
+        if n < self.seal_end or not self._same_cache(k):
+            self.reset()
+        target = self.target_seal_end(n)
+        if target <= self.seal_end:
+            return 0
+        bs, cpb = cfg.block_size, self.clusters_per_block
+        last_block = (target - 1 - cfg.sink) // bs
+        self._ensure((last_block + 1) * cpb)
+        built = 0
+        for j in range(self.frozen_blocks, last_block + 1):
+            lo = cfg.sink + j * bs
+            hi = min(lo + bs, target)
+            self._build_block(j * cpb, lo, k[:, lo:hi].float(), v[:, lo:hi].float())
+            built += 1
+            if hi - lo == bs:
+                self.frozen_blocks = j + 1
+            self.num_clusters = j * cpb + -(-(hi - lo) // cfg.cluster_size)
+        self.seal_end = target
+        self._fingerprint = (k[:, cfg.sink].clone(), k[:, target - 1].clone())
+        if cfg.hierarchical:
+            M = self.num_clusters
+            self.tree = build_tree(self.counts[:M], self.summ[:, :M], self.resid[:, :M],
+                                   self.vmean[:, :M], self.diagvar[:, :M], self.radius[:, :M],
+                                   cfg.tree_fanout)
+        self._views()
+        return built
+
+    def _build_block(self, c0: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Cluster rows ``[lo, lo + n)`` into clusters ``c0 ..``; k, v float32 ``[Hkv, n, D]``."""
+        cfg = self.cfg
+        perm, s, k_rows, v_rows = cluster_block(k, v, cfg.cluster_size, cfg.rank, cfg.power_iterations)
+        C = perm.shape[1]
+        sl = slice(c0, c0 + C)
+        self.counts[sl] = s.counts
+        self.log_counts[sl] = s.counts.float().log()
+        self.summ[:, sl, 0] = s.centroid
+        self.summ[:, sl, 1:] = s.eigvec * s.eigval.sqrt().unsqueeze(-1)
+        self.resid[:, sl] = s.resid
+        self.vmean[:, sl] = s.vmean
+        self.diagvar[:, sl] = s.diagvar
+        self.radius[:, sl] = s.radius
+        self.eigval[:, sl] = s.eigval
+        self.slots[:, sl] = torch.where(perm >= 0, perm + lo, perm)
+        self.pad_bias[sl] = torch.where(torch.arange(cfg.cluster_size) < s.counts.unsqueeze(1),
+                                        0.0, float("-inf"))
+        self.store.write(c0, k_rows, v_rows)
+
+    # --- reads ---------------------------------------------------------------------------
+    def exact_slots(self, n: int) -> tuple[int, int]:
+        """``(sink, seal_end)``: slots ``[0, sink)`` and ``[seal_end, n)`` are read exactly."""
+        return min(self.cfg.sink, n), self.seal_end

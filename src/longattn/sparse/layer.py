@@ -1,0 +1,364 @@
+"""SCSALayer: training-free sparse decode attention over one layer's append-only KV cache.
+
+It replaces only ``softmax(q K^T * scale) V`` at decode time; the model and the cache stay as they
+are. Nothing is dropped: every cached key contributes exactly (sink rows, the unsealed suffix,
+opened clusters) or through its cluster's closed-form tail ``m exp(beta q.c_K)`` at the value
+mean. Per call the work is two small matmuls for priorities, one sort, one gather of the opened
+clusters' packed rows and exact attention over them (see ``kernel.py``).
+
+Heads: query head ``i`` reads KV head ``i // (H // Hkv)`` (the ``repeat_interleave`` grouping).
+The ``H // Hkv`` query heads of a group read the union of their selections, so ``taus`` holds one
+threshold per KV head.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import LongattnError
+from .calibrate import Calibrator, relative_error
+from .config import SCSAConfig
+from .index import ClusterIndex
+from .kernel import (NEG_INF, Selection, cluster_scores, mask_to_ids, merged_output, needed, select_flat,
+                     select_tree)
+from .serial import serial_row
+
+MAX_HEAD_DIM = 512
+PAD_WASTE = 1.3  # read padded batches only while they cost at most this much more than needed
+COUNTER_NAMES = ("rebuilds", "opened_rows", "exact_rows", "clusters_scored", "calls")
+
+
+class SCSALayer:
+    """Sparse decode attention for one layer (keeps its own incremental index per batch row).
+
+    Args:
+        cfg: the operator's settings.
+        num_heads, num_kv_heads, head_dim: the layer's attention shape
+            (``num_heads % num_kv_heads == 0``, ``head_dim % 8 == 0``, ``head_dim <= 512``).
+        layer_index: names this layer in saved tau files (``"layer:head"`` keys).
+    """
+
+    def __init__(self, cfg: SCSAConfig, num_heads: int, num_kv_heads: int, head_dim: int,
+                 layer_index: int = 0) -> None:
+        if not isinstance(cfg, SCSAConfig):
+            raise LongattnError(f"SCSALayer needs an SCSAConfig, got {type(cfg).__name__}")
+        cfg.validate()
+        if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise LongattnError(f"SCSALayer: num_heads ({num_heads}) must be a positive multiple of "
+                                f"num_kv_heads ({num_kv_heads})")
+        if head_dim < 8 or head_dim % 8 or head_dim > MAX_HEAD_DIM:
+            raise LongattnError(f"SCSALayer: head_dim must be a multiple of 8 in 8..{MAX_HEAD_DIM}, "
+                                f"got {head_dim}")
+        self.cfg = cfg
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.group = num_heads // num_kv_heads
+        self.layer_index = layer_index
+        self.counters = {name: 0 for name in COUNTER_NAMES}
+        self.taus = torch.full((num_kv_heads,), float(cfg.tau_default))
+        self.calibrated = cfg.calib_steps == 0
+        self.calibrator = Calibrator(cfg.tau_grid, cfg.calib_steps, cfg.tolerance, num_kv_heads)
+        self.indexes: list[ClusterIndex] = []
+        self._last: list[tuple] = []
+
+    # --- public --------------------------------------------------------------------------
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """Decode attention of one new query per row over the whole cache.
+
+        Args:
+            q: ``[B, H, 1, D]``.
+            k, v: ``[B, Hkv, N, D]``, the layer's whole append-only cache (all slots valid).
+            scale: score multiplier beta (usually ``D ** -0.5``).
+        Returns:
+            ``[B, H, 1, D]`` in q's dtype.
+        """
+        self._check(q, k, v)
+        B, H, _, D = q.shape
+        N = k.shape[2]
+        self.counters["calls"] += 1
+        self._last = []
+        if N < self.cfg.min_context:
+            self.counters["exact_rows"] += B * self.num_kv_heads * N
+            return self._dense(q, k, v, scale)
+        if len(self.indexes) != B:
+            self.indexes = [ClusterIndex(self.cfg, self.num_kv_heads, D) for _ in range(B)]
+        for b, index in enumerate(self.indexes):
+            if index.update(k[b], v[b]):
+                self.counters["rebuilds"] += 1
+        if all(index.num_clusters == 0 for index in self.indexes):
+            self.counters["exact_rows"] += B * self.num_kv_heads * N
+            return self._dense(q, k, v, scale)
+        if not self.calibrated:
+            return self._calibration_call(q, k, v, scale)
+        rows = [self._row(b, q[b, :, 0], k[b], v[b], scale, self.taus) for b in range(B)]
+        return torch.stack(rows).view(B, H, 1, D).to(q.dtype)
+
+    def set_taus(self, taus) -> None:
+        """Freeze the thresholds (one per KV head, or one for all) and end calibration."""
+        t = torch.as_tensor(taus, dtype=torch.float32).flatten()
+        if t.numel() == 1:
+            t = t.expand(self.num_kv_heads).clone()
+        if t.numel() != self.num_kv_heads or not bool(((t >= 0) & (t <= 1)).all()):
+            raise LongattnError(f"set_taus: need {self.num_kv_heads} values in [0, 1], got {t.tolist()}")
+        self.taus = t.clone()
+        self.calibrated = True
+
+    def save_taus(self, path) -> None:
+        """Merge this layer's taus into the JSON file ``{"layer:head": tau}`` (atomic write)."""
+        path = os.fspath(path)
+        data = {}
+        if os.path.exists(path):
+            data = _read_taus(path)
+        for h, t in enumerate(self.taus.tolist()):
+            data[f"{self.layer_index}:{h}"] = t
+        folder = os.path.dirname(os.path.abspath(path))
+        tmp = None
+        try:
+            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)
+        except OSError as e:
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)
+            raise LongattnError(f"cannot write taus to {path}: {e.strerror}") from None
+
+    def load_taus(self, path) -> None:
+        """Load this layer's taus from a file written by ``save_taus`` and end calibration."""
+        path = os.fspath(path)
+        data = _read_taus(path)
+        keys = [f"{self.layer_index}:{h}" for h in range(self.num_kv_heads)]
+        missing = [key for key in keys if key not in data]
+        if missing:
+            raise LongattnError(f"{path} has no taus for layer {self.layer_index} heads "
+                                f"{', '.join(key.split(':')[1] for key in missing)}; recalibrate or "
+                                f"check the layer index")
+        self.set_taus([data[key] for key in keys])
+
+    def reset(self) -> None:
+        """Forget every index (a new sequence); taus and counters are kept."""
+        self.indexes = []
+        self._last = []
+
+    def debug_accounting(self) -> list[dict]:
+        """How every cached key contributed to the last sparse call, per batch row.
+
+        Returns a list (one per row) of dicts with int64 tensors ``[Hkv]``: ``n``,
+        ``exact_rows``, ``opened_rows``, ``tail_rows`` (keys folded into unopened
+        clusters' or tree nodes' tails), and ``coverage`` ``[Hkv, N]`` (times each slot was
+        counted; all ones when nothing is dropped or double counted) and ``role`` ``[Hkv, N]``
+        (0 exact, 1 opened, 2 tail). Empty after a dense call.
+        """
+        return [_accounting(*entry) for entry in self._last]
+
+    # --- internals -----------------------------------------------------------------------
+    def _check(self, q, k, v) -> None:
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+            raise LongattnError("SCSALayer.attend: q, k, v must be 4-D [B, heads, time, head_dim]")
+        B, H, Tq, D = q.shape
+        if Tq != 1:
+            raise LongattnError(f"SCSALayer.attend is decode-only: q must have 1 query per row, got {Tq}")
+        if H != self.num_heads or D != self.head_dim:
+            raise LongattnError(f"SCSALayer.attend: q is {list(q.shape)}, expected "
+                                f"[B, {self.num_heads}, 1, {self.head_dim}]")
+        if k.shape != v.shape or k.shape[0] != B or k.shape[1] != self.num_kv_heads or k.shape[3] != D:
+            raise LongattnError(f"SCSALayer.attend: k {list(k.shape)} / v {list(v.shape)} must both be "
+                                f"[{B}, {self.num_kv_heads}, N, {self.head_dim}]")
+        if k.shape[2] < 1:
+            raise LongattnError("SCSALayer.attend: the cache is empty")
+
+    def _dense(self, q, k, v, scale):
+        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=scale,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        return out.to(q.dtype)
+
+    def _prepare(self, index: ClusterIndex, q_row, k_row, v_row, scale, flat_scores: bool | None = None):
+        """Per-row quantities shared by every tau: grouped query, exact rows and their mass, and
+        (flat mode) every cluster's tail logit and estimate."""
+        n = k_row.shape[1]
+        qg = q_row.float().reshape(self.num_kv_heads, self.group, self.head_dim)  # [Hkv, g, D]
+        s0, s1 = index.exact_slots(n)
+        k_ex = torch.cat([k_row[:, :s0], k_row[:, s1:]], 1).float()  # [Hkv, E, D]
+        v_ex = torch.cat([v_row[:, :s0], v_row[:, s1:]], 1).float()
+        s_ex = torch.bmm(qg, k_ex.transpose(1, 2)) * scale  # [Hkv, g, E]
+        log_exact = torch.logsumexp(s_ex, -1) if s_ex.shape[-1] else s_ex.new_full(s_ex.shape[:2], NEG_INF)
+        prep = {"qg": qg, "s_ex": s_ex, "v_ex": v_ex, "log_exact": log_exact, "n": n,
+                "exact": s0 + n - s1}
+        if flat_scores is None:
+            flat_scores = not self.cfg.hierarchical
+        if index.num_clusters and flat_scores:
+            prep["tail"], prep["est"] = cluster_scores(qg, index.live_summ, index.live_resid,
+                                                       index.live_log_counts, index.live_radius, scale)
+        return prep
+
+    def _select(self, index: ClusterIndex, prep: dict, scale: float, taus: torch.Tensor,
+                hierarchical: bool | None = None):
+        """Priorities + stop rule: ``(selection, tail logits [Hkv, g, T], tail values [Hkv, T, D])``."""
+        if hierarchical is None:
+            hierarchical = self.cfg.hierarchical
+        if hierarchical:
+            sel, tail = select_tree(prep["qg"], index.tree, prep["log_exact"], taus, scale)
+            return sel, tail, _gather_rows(index.tree.vmean, sel.tail_ids)
+        sel = select_flat(prep["est"], prep["log_exact"], taus)
+        return sel, prep["tail"], index.live_vmean
+
+    def _output(self, index: ClusterIndex, prep: dict, sel: Selection, tail, v_tail, scale: float):
+        """One ascending sweep over the opened clusters' packed rows, merged with the exact rows and
+        the tails: ``[Hkv, g, D]``."""
+        qg = prep["qg"]
+        tail = tail.masked_fill(~sel.tail_mask.unsqueeze(1), NEG_INF)
+        idx, valid, counts = mask_to_ids(sel.opened)  # ascending cluster ids per head, padded
+        if "qprep" not in prep and idx.shape[1]:
+            prep["qprep"] = index.store.prepare_query(qg)  # quantized once per call
+        # Heads open different amounts; padding them to one batch wastes reads when they differ a
+        # lot, then a loop over KV heads (a few more small ops) reads only what was opened.
+        if len(counts) > 1 and len(counts) * max(counts) > PAD_WASTE * max(sum(counts), 1) + 8:
+            parts = [self._output_heads(index, prep, h, idx[h:h + 1, :counts[h]], valid[h:h + 1, :counts[h]],
+                                        counts[h:h + 1], tail[h:h + 1], v_tail[h:h + 1], scale)
+                     for h in range(len(counts))]
+            return torch.cat(parts, 0)
+        return self._output_heads(index, prep, 0, idx, valid, counts, tail, v_tail, scale)
+
+    def _output_heads(self, index, prep, h0, idx, valid, counts, tail, v_tail, scale):
+        """``_output`` for KV heads ``h0 .. h0 + len(idx)``."""
+        hh = idx.shape[0]
+        s_ex, v_ex = prep["s_ex"][h0:h0 + hh], prep["v_ex"][h0:h0 + hh]
+        s_open = v_open = None
+        if idx.shape[1]:
+            store = index.store
+            qprep = prep["qprep"]
+            if hh != self.num_kv_heads:
+                qprep = tuple(t[h0:h0 + hh] for t in qprep) if isinstance(qprep, tuple) else qprep[h0:h0 + hh]
+            s_open = store.scores(qprep, idx, h0) * scale  # [h, g, K*cs]
+            if index.has_padding or min(counts) < idx.shape[1]:
+                bias = torch.where(valid.unsqueeze(-1), index.pad_bias[idx], NEG_INF)  # [h, K, cs]
+                s_open = s_open + bias.view(hh, 1, -1)
+            v_open = store.values(idx, h0)
+        return merged_output(s_ex, v_ex, s_open, v_open, tail, v_tail)
+
+    def _sparse(self, index: ClusterIndex, prep: dict, scale: float, taus: torch.Tensor):
+        """Output ``[Hkv, g, D]`` and the selection for one row at thresholds ``taus [Hkv]``."""
+        if index.num_clusters == 0:
+            s_ex, v_ex = prep["s_ex"], prep["v_ex"]
+            return merged_output(s_ex, v_ex, None, None, s_ex[..., :0], v_ex[:, :0]), None
+        sel, tail, v_tail = self._select(index, prep, scale, taus)
+        return self._output(index, prep, sel, tail, v_tail, scale), sel
+
+    def _row(self, b: int, q_row, k_row, v_row, scale, taus):
+        index = self.indexes[b]
+        if self.cfg.serial:
+            out, sel = serial_row(self.cfg, index, q_row, k_row, v_row, scale, taus)
+            exact = index.exact_slots(k_row.shape[1])
+            n_exact = exact[0] + k_row.shape[1] - exact[1]
+        else:
+            prep = self._prepare(index, q_row, k_row, v_row, scale)
+            out, sel = self._sparse(index, prep, scale, taus)
+            n_exact = prep["exact"]
+        self.counters["exact_rows"] += self.num_kv_heads * n_exact
+        if sel is not None:
+            M = index.num_clusters
+            self.counters["opened_rows"] += int((sel.opened.long() * index.counts[:M]).sum())
+            self.counters["clusters_scored"] += sel.scored
+        self._last.append((index, sel, k_row.shape[1]))
+        return out.reshape(self.num_heads, self.head_dim)
+
+    def _calibration_call(self, q, k, v, scale):
+        """Exact output; replays every tau of the grid and records the errors."""
+        out = self._dense(q, k, v, scale)
+        B = q.shape[0]
+        self.counters["exact_rows"] += B * self.num_kv_heads * k.shape[2]
+        grid = self.calibrator.grid.float()
+        tables = []
+        for b, index in enumerate(self.indexes):
+            if index.num_clusters == 0:
+                continue
+            o_exact = out[b, :, 0].float().view(self.num_kv_heads, self.group, self.head_dim)
+            prep = self._prepare(index, q[b, :, 0], k[b], v[b], scale)
+            errs = []
+            if self.cfg.hierarchical:
+                for tau in grid:
+                    o_tau, _ = self._sparse(index, prep, scale, tau.expand(self.num_kv_heads))
+                    errs.append(relative_error(o_tau, o_exact).amax(-1))  # [Hkv], worst query head
+            else:  # one sort for the whole grid; equal selections share one output
+                taus = grid.unsqueeze(1).expand(-1, self.num_kv_heads)  # [T, Hkv]
+                opened = needed(prep["est"], prep["log_exact"], taus)  # [T, Hkv, M]
+                last, err = None, None
+                for mask in opened:  # [Hkv, M] per tau
+                    if last is None or not torch.equal(mask, last):
+                        sel = Selection(mask, None, ~mask, 0)
+                        o_tau = self._output(index, prep, sel, prep["tail"], index.live_vmean, scale)
+                        err = relative_error(o_tau, o_exact).amax(-1)  # [Hkv], worst query head
+                        last = mask
+                    errs.append(err)
+            tables.append(torch.stack(errs))  # [T, Hkv]
+        self.calibrator.record(tables)
+        if self.calibrator.done:
+            self.taus = self.calibrator.choose(self.cfg.tau_default)
+            self.calibrated = True
+        return out
+
+
+def _gather_rows(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``t [Hkv, Nn, D]`` rows at ``ids [Hkv, F]`` -> ``[Hkv, F, D]``."""
+    return t.gather(1, ids.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
+
+
+def _read_taus(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise LongattnError(f"tau file {path} does not exist; calibrate first and save_taus") from None
+    except (OSError, ValueError) as e:
+        raise LongattnError(f"tau file {path} is not readable JSON ({e}); "
+                            f"delete it and recalibrate") from None
+    if not isinstance(data, dict) or not all(isinstance(x, (int, float)) for x in data.values()):
+        raise LongattnError(f"tau file {path} must map \"layer:head\" to numbers; delete it and recalibrate")
+    return data
+
+
+def _leaves_under(tree, node: int) -> list[int]:
+    stack, out = [node], []
+    while stack:
+        x = stack.pop()
+        if bool(tree.is_leaf[x]):
+            out.append(x)
+        else:
+            stack.extend(c for c in tree.children[x].tolist() if c >= 0)
+    return out
+
+
+def _accounting(index: ClusterIndex, sel: Selection | None, n: int) -> dict:
+    """Per-slot contribution counts of one row (debug only; python loops are fine here)."""
+    hkv = index.hkv
+    coverage = torch.zeros(hkv, n, dtype=torch.int64)
+    role = torch.full((hkv, n), -1, dtype=torch.int8)
+    s0, s1 = index.exact_slots(n)
+    for lo, hi in ((0, s0), (s1, n)):
+        coverage[:, lo:hi] += 1
+        role[:, lo:hi] = 0
+    exact = torch.full((hkv,), s0 + n - s1, dtype=torch.int64)
+    opened_rows = torch.zeros(hkv, dtype=torch.int64)
+    tail_rows = torch.zeros(hkv, dtype=torch.int64)
+    if sel is not None:
+        for h in range(hkv):
+            for c in sel.opened[h].nonzero().flatten().tolist():
+                slots = index.slots[h, c][index.slots[h, c] >= 0]
+                coverage[h, slots] += 1
+                role[h, slots] = 1
+                opened_rows[h] += slots.numel()
+            for pos in sel.tail_mask[h].nonzero().flatten().tolist():
+                node = int(sel.tail_ids[h, pos])
+                leaves = _leaves_under(index.tree, node) if index.tree is not None and \
+                    index.cfg.hierarchical else [node]
+                for c in leaves:
+                    slots = index.slots[h, c][index.slots[h, c] >= 0]
+                    coverage[h, slots] += 1
+                    role[h, slots] = 2
+                    tail_rows[h] += slots.numel()
+    return {"n": torch.full((hkv,), n, dtype=torch.int64), "exact_rows": exact,
+            "opened_rows": opened_rows, "tail_rows": tail_rows, "coverage": coverage, "role": role}

@@ -1,0 +1,263 @@
+"""Packed copies of clustered key/value rows: q8_0, f16 or f32, contiguous per cluster.
+
+Layout (every packing): cluster ``c`` of KV head ``h`` owns ``[h, c, 0:cluster_size]`` of a
+``[Hkv, capacity, cluster_size, D]`` array, so opening a cluster is one contiguous read and a set
+of opened clusters is one ``index_select`` (adjacent clusters are adjacent in memory). Rows past a
+cluster's count are zero padding; the index masks them with ``-inf``.
+
+q8_0 (as in ggml): each row is cut into blocks of ``qblock`` (32, or gcd(D, 32) when D is not a
+multiple of 32) values; a block stores one float scale ``s = amax / 127`` and int8 values
+``round(x / s)``, so ``|x - s * i| <= s / 2`` per element. Scores use the query quantized the same
+way once per call: ``q.k ~= sum_b sq_b * sk_b * (iq_b . ik_b)``. The integer block dots are run as
+float32 matmuls, which is exact here: ``|iq_b . ik_b| <= qblock * 127 * 127 < 2**24``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import LongattnError
+
+Q8_MAX = 127.0
+
+
+def q8_block(head_dim: int) -> int:
+    """Values per q8_0 block: 32, or gcd(head_dim, 32) (>= 8 since head_dim % 8 == 0)."""
+    return math.gcd(head_dim, 32)
+
+
+def quantize_q8(x: torch.Tensor, qblock: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest symmetric int8 per block.
+
+    Args:
+        x: float ``[..., D]`` with ``D % qblock == 0``.
+    Returns:
+        ``(ints, scales)``: int8 ``[..., D]`` and float32 ``[..., D // qblock]``;
+        ``x ~= ints * scales`` block-wise with ``|error| <= scale / 2`` per element.
+    """
+    *lead, D = x.shape
+    xb = x.float().reshape(*lead, D // qblock, qblock)  # [..., nb, qblock]
+    scale = xb.abs().amax(-1) / Q8_MAX  # [..., nb]
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    ints = torch.round(xb / safe.unsqueeze(-1)).clamp_(-Q8_MAX, Q8_MAX).to(torch.int8)
+    return ints.reshape(*lead, D), scale
+
+
+def dequantize_q8(ints: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``quantize_q8``: ``[..., D]`` int8 and ``[..., nb]`` scales -> float32."""
+    *lead, D = ints.shape
+    nb = scales.shape[-1]
+    x = ints.float().reshape(*lead, nb, D // nb) * scales.unsqueeze(-1)
+    return x.reshape(*lead, D)
+
+
+def q8_dot(q: torch.Tensor, k: torch.Tensor, qblock: int) -> torch.Tensor:
+    """The q8_0 x q8_0 dot product used for scoring: ``[..., D] x [..., D] -> [...]``."""
+    qi, qs = quantize_q8(q, qblock)
+    ki, ks = quantize_q8(k, qblock)
+    nb = qs.shape[-1]
+    dots = (qi.float().unflatten(-1, (nb, qblock)) * ki.float().unflatten(-1, (nb, qblock))).sum(-1)
+    return (dots * qs * ks).sum(-1)
+
+
+def q8_dot_bound(q: torch.Tensor, k: torch.Tensor, qblock: int) -> torch.Tensor:
+    """Bound on ``|q.k - q8_dot(q, k)|`` from the quantization steps (broadcasting ``[..., D]``).
+
+    With ``q = q^ + eq`` and ``k = k^ + ek`` (``|eq| <= sq/2``, ``|ek| <= sk/2`` per element),
+    ``q.k - q^.k^ = q.ek + eq.k^``, so per block the error is at most
+    ``||q_b||_1 * sk_b / 2 + sq_b / 2 * ||k^_b||_1``; the bound is the sum over blocks.
+    """
+    qi, qs = quantize_q8(q, qblock)
+    ki, ks = quantize_q8(k, qblock)
+    nb = qs.shape[-1]
+    q_l1 = q.float().abs().unflatten(-1, (nb, qblock)).sum(-1)  # [..., nb]
+    khat_l1 = ki.float().abs().unflatten(-1, (nb, qblock)).sum(-1) * ks
+    return (q_l1 * ks / 2 + qs / 2 * khat_l1).sum(-1)
+
+
+def _grow(t: torch.Tensor, capacity: int, dim: int = 1) -> torch.Tensor:
+    """A copy of ``t`` with ``dim`` enlarged to ``capacity`` (new entries zero)."""
+    shape = list(t.shape)
+    shape[dim] = capacity
+    out = t.new_zeros(shape)
+    out.narrow(dim, 0, t.shape[dim]).copy_(t)
+    return out
+
+
+class PackedStore:
+    """Cluster-contiguous member rows of one batch row's index, all KV heads.
+
+    Subclasses decide the number format. Shapes: ``keys``/``values`` written as float
+    ``[Hkv, C, cluster_size, D]`` (zero padded); ``idx`` is ``[Hkv, K]`` cluster ids per head.
+    """
+
+    name = ""
+
+    def __init__(self, num_kv_heads: int, cluster_size: int, head_dim: int) -> None:
+        self.hkv, self.cs, self.d = num_kv_heads, cluster_size, head_dim
+        self.capacity = 0
+
+    # --- storage -------------------------------------------------------------------------
+    def ensure(self, clusters: int) -> None:
+        """Make room for ``clusters`` clusters per head (capacity doubles, amortised O(1))."""
+        if clusters <= self.capacity:
+            return
+        cap = max(clusters, 2 * self.capacity, 8)
+        for name in self._fields():
+            setattr(self, name, _grow(getattr(self, name), cap))
+        self.capacity = cap
+
+    def _alloc(self) -> None:
+        for name in self._fields():
+            setattr(self, name, self._empty(name, 0))
+
+    def write(self, c0: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store clusters ``c0 .. c0 + C`` from float ``[Hkv, C, cluster_size, D]`` rows."""
+        raise NotImplementedError
+
+    def _fields(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def _empty(self, name: str, clusters: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _flat(self, idx: torch.Tensor, h0: int) -> torch.Tensor:
+        """``[h, K]`` cluster ids of heads ``h0 .. h0 + h`` -> ``[h * K]`` ids into the flattened heads."""
+        base = torch.arange(h0, h0 + idx.shape[0]).mul_(self.capacity).unsqueeze(1)  # [h, 1]
+        return (idx + base).reshape(-1)
+
+    def _gather(self, t: torch.Tensor, idx: torch.Tensor, h0: int) -> torch.Tensor:
+        """Rows of the given clusters, ``[h, K * cluster_size, last]``."""
+        flat = self._flat(idx, h0)
+        rows = t.reshape(self.hkv * self.capacity, self.cs, t.shape[-1]).index_select(0, flat)
+        return rows.view(idx.shape[0], -1, t.shape[-1])
+
+    # --- reads ---------------------------------------------------------------------------
+    def prepare_query(self, qg: torch.Tensor):
+        """Per-call query preparation; ``qg`` is float32 ``[Hkv, g, D]``."""
+        return qg
+
+    def scores(self, qprep, idx: torch.Tensor, h0: int = 0) -> torch.Tensor:
+        """Raw dots (no scale) of the queries with the opened clusters' rows: ``[h, g, K * cs]``.
+
+        ``idx`` ``[h, K]`` holds cluster ids of KV heads ``h0 .. h0 + h`` (``qprep`` sliced alike).
+        """
+        raise NotImplementedError
+
+    def values(self, idx: torch.Tensor, h0: int = 0) -> torch.Tensor:
+        """Opened clusters' value rows as float32 ``[h, K * cs, D]``."""
+        raise NotImplementedError
+
+    def query_view(self, qg: torch.Tensor) -> torch.Tensor:
+        """The query exactly as scoring sees it (dequantized for q8), float ``[Hkv, g, D]``."""
+        return qg
+
+    def cluster_rows(self, h: int, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored (dequantized) keys and values of one cluster, float64 ``[cs, D]`` each."""
+        raise NotImplementedError
+
+
+class FloatStore(PackedStore):
+    """f16 or f32 rows; scores are float32 matmuls of the upcast rows."""
+
+    def __init__(self, num_kv_heads: int, cluster_size: int, head_dim: int, dtype: torch.dtype):
+        super().__init__(num_kv_heads, cluster_size, head_dim)
+        self.dtype = dtype
+        self.name = {torch.float16: "f16", torch.float32: "f32"}[dtype]
+        self._alloc()
+
+    def _fields(self):
+        return ("k", "v")
+
+    def _empty(self, name, clusters):
+        return torch.zeros(self.hkv, clusters, self.cs, self.d, dtype=self.dtype)
+
+    def write(self, c0, keys, values):
+        C = keys.shape[1]
+        self.ensure(c0 + C)
+        self.k[:, c0:c0 + C] = keys.to(self.dtype)
+        self.v[:, c0:c0 + C] = values.to(self.dtype)
+
+    def scores(self, qprep, idx, h0=0):
+        kr = self._gather(self.k, idx, h0).float()  # [h, R, D]
+        return torch.bmm(qprep, kr.transpose(1, 2))  # [h, g, R]
+
+    def values(self, idx, h0=0):
+        return self._gather(self.v, idx, h0).float()  # [h, R, D]
+
+    def cluster_rows(self, h, c):
+        return self.k[h, c].double(), self.v[h, c].double()
+
+
+class Q8Store(PackedStore):
+    """q8_0 rows: int8 values with one float32 scale per block of ``qblock`` values."""
+
+    name = "q8_0"
+
+    def __init__(self, num_kv_heads: int, cluster_size: int, head_dim: int):
+        super().__init__(num_kv_heads, cluster_size, head_dim)
+        self.qblock = q8_block(head_dim)
+        self.nb = head_dim // self.qblock
+        self.block_eye = torch.eye(self.nb).repeat_interleave(self.qblock, dim=1)  # [nb, D]
+        self._alloc()
+
+    def _fields(self):
+        return ("ki", "ks", "vi", "vs")
+
+    def _empty(self, name, clusters):
+        if name in ("ki", "vi"):
+            return torch.zeros(self.hkv, clusters, self.cs, self.d, dtype=torch.int8)
+        return torch.zeros(self.hkv, clusters, self.cs, self.nb, dtype=torch.float32)
+
+    def write(self, c0, keys, values):
+        C = keys.shape[1]
+        self.ensure(c0 + C)
+        self.ki[:, c0:c0 + C], self.ks[:, c0:c0 + C] = quantize_q8(keys, self.qblock)
+        self.vi[:, c0:c0 + C], self.vs[:, c0:c0 + C] = quantize_q8(values, self.qblock)
+
+    def prepare_query(self, qg):
+        """Quantize once; lay the int blocks out block-diagonally so one bmm gives all block dots.
+
+        Returns ``(qbd_t, qs)``: float ``[Hkv, D, g * nb]`` whose column ``(j, b)`` holds head j's
+        int block b in rows ``b*qblock:(b+1)*qblock`` (zeros elsewhere), and scales
+        ``[Hkv, 1, g, nb]``.
+        """
+        hkv, g, D = qg.shape
+        qi, qs = quantize_q8(qg, self.qblock)  # [Hkv, g, D], [Hkv, g, nb]
+        qbd = qi.float().unsqueeze(2) * self.block_eye  # [Hkv, g, nb, D]
+        return qbd.reshape(hkv, g * self.nb, D).transpose(1, 2), qs.unsqueeze(1)
+
+    def scores(self, qprep, idx, h0=0):
+        qbd_t, qs = qprep
+        ki = self._gather(self.ki, idx, h0).float()  # [h, R, D] exact small ints
+        ks = self._gather(self.ks, idx, h0)  # [h, R, nb]
+        dots = torch.bmm(ki, qbd_t)  # [h, R, g*nb]: exact integer block dots
+        dots = dots.view(idx.shape[0], dots.shape[1], -1, self.nb)  # [h, R, g, nb]
+        return (dots * ks.unsqueeze(2) * qs).sum(-1).transpose(1, 2)  # [h, g, R]
+
+    def values(self, idx, h0=0):
+        vi = self._gather(self.vi, idx, h0).float()  # [h, R, D]
+        vs = self._gather(self.vs, idx, h0)  # [h, R, nb]
+        return (vi.unflatten(-1, (self.nb, self.qblock)) * vs.unsqueeze(-1)).flatten(-2)
+
+    def query_view(self, qg):
+        qi, qs = quantize_q8(qg, self.qblock)
+        return dequantize_q8(qi, qs)
+
+    def cluster_rows(self, h, c):
+        k = dequantize_q8(self.ki[h, c], self.ks[h, c]).double()
+        v = dequantize_q8(self.vi[h, c], self.vs[h, c]).double()
+        return k, v
+
+
+def make_store(packing: str, num_kv_heads: int, cluster_size: int, head_dim: int) -> PackedStore:
+    """The store for a packing name ("q8_0", "f16", "f32")."""
+    if packing == "q8_0":
+        return Q8Store(num_kv_heads, cluster_size, head_dim)
+    if packing == "f16":
+        return FloatStore(num_kv_heads, cluster_size, head_dim, torch.float16)
+    if packing == "f32":
+        return FloatStore(num_kv_heads, cluster_size, head_dim, torch.float32)
+    raise LongattnError(f"unknown packing {packing!r}; use q8_0, f16 or f32")

@@ -1,0 +1,92 @@
+"""Self-calibration: exact while calibrating, then each head's frozen tau meets the tolerance."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from longattn.sparse import SCSAConfig, SCSALayer
+from longattn.sparse.calibrate import Calibrator, relative_error
+from longattn.sparse.synthetic import synthetic_cache
+
+H, HKV, D = 8, 2, 64
+START, STEPS = 2000, 32
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny ops on a shared 2-core box: one intra-op thread avoids OpenMP barrier stalls."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def small_cfg(**kw):
+    base = dict(cluster_size=32, rebuild_interval=64, block_size=512, sink=4, recent=16,
+                min_context=0, calib_steps=STEPS, tolerance=0.025)
+    base.update(kw)
+    return SCSAConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def decode():
+    """A decode run: the cache grows by one token per call (crossing a rebuild)."""
+    cache = synthetic_cache(START + STEPS, HKV, D, seed=21)
+    qs = cache.queries(STEPS, H, seed=4)
+    return [(qs[i], cache.k[:, :, :START + i + 1], cache.v[:, :, :START + i + 1]) for i in range(STEPS)]
+
+
+def run(layer, steps):
+    return [layer.attend(q, k, v, D ** -0.5) for q, k, v in steps]
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_calibration_runs_exactly_then_freezes_taus_that_meet_the_tolerance(decode, hierarchical):
+    cfg = small_cfg(hierarchical=hierarchical)
+    layer = SCSALayer(cfg, H, HKV, D)
+    assert torch.equal(layer.taus, torch.full((HKV,), cfg.tau_default))
+    outs = run(layer, decode)
+    for out, (q, k, v) in zip(outs, decode):  # calibrating: exact dense output
+        assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, scale=D ** -0.5, enable_gqa=True))
+    assert layer.calibrated and layer.calibrator.calls == STEPS
+    taus = layer.taus
+    assert bool((taus > 0).all()), f"calibration should find a sparse threshold, got {taus}"
+    # Replay the same decode with the frozen taus: per query head, median error <= tolerance.
+    frozen = SCSALayer(small_cfg(calib_steps=0, hierarchical=hierarchical), H, HKV, D)
+    frozen.set_taus(taus)
+    errs = torch.stack([relative_error(o, F.scaled_dot_product_attention(q, k, v, scale=D ** -0.5,
+                                                                         enable_gqa=True))[0, :, 0]
+                        for o, (q, k, v) in zip(run(frozen, decode), decode)])  # [STEPS, H]
+    assert bool((errs.median(0).values <= cfg.tolerance).all()), errs.median(0).values
+    assert frozen.counters["opened_rows"] < 0.9 * STEPS * HKV * START  # and it is sparse
+
+
+def test_tighter_tolerance_picks_smaller_taus(decode):
+    loose = SCSALayer(small_cfg(tolerance=0.05), H, HKV, D)
+    tight = SCSALayer(small_cfg(tolerance=0.002), H, HKV, D)
+    run(loose, decode)
+    run(tight, decode)
+    assert bool((tight.taus <= loose.taus).all())
+    assert bool((tight.taus < loose.taus).any())
+
+
+def test_calibrator_choice_rules():
+    cal = Calibrator((0.0, 0.1, 0.2, 0.4), steps=3, tolerance=0.05, num_kv_heads=3)
+    assert torch.equal(cal.choose(0.07), torch.full((3,), 0.07))  # no samples: tau_default
+    # head 0 passes up to 0.2; head 1 never passes (-> smallest tau); head 2 passes everywhere.
+    table = torch.tensor([[0.0, 0.2, 0.0], [0.01, 0.3, 0.01], [0.04, 0.4, 0.02], [0.09, 0.5, 0.03]])
+    for _ in range(3):
+        cal.record([table])
+    assert cal.done
+    assert torch.allclose(cal.choose(0.07), torch.tensor([0.2, 0.0, 0.4]))
+
+
+def test_loaded_taus_skip_calibration(decode, tmp_path):
+    layer = SCSALayer(small_cfg(), H, HKV, D)
+    layer.set_taus([0.02, 0.04])
+    layer.save_taus(tmp_path / "t.json")
+    other = SCSALayer(small_cfg(), H, HKV, D)
+    other.load_taus(tmp_path / "t.json")
+    q, k, v = decode[0]
+    assert torch.equal(other.attend(q, k, v, D ** -0.5), layer.attend(q, k, v, D ** -0.5))
+    assert other.calibrator.calls == 0

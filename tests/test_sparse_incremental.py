@@ -1,0 +1,116 @@
+"""The incremental index equals a from-scratch build over the same keys, across rebuild and
+block boundaries; truncated or replaced caches are replanned; batch rows are independent."""
+
+import pytest
+import torch
+
+from longattn.sparse import SCSAConfig, SCSALayer
+from longattn.sparse.synthetic import synthetic_cache
+
+H, HKV, D = 4, 2, 32
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny ops on a shared 2-core box: one intra-op thread avoids OpenMP barrier stalls."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def small_cfg(**kw):
+    base = dict(cluster_size=16, rebuild_interval=64, block_size=256, sink=4, recent=8,
+                min_context=0, calib_steps=0, tau_default=0.05)
+    base.update(kw)
+    return SCSAConfig(**base)
+
+
+INDEX_FIELDS = ("counts", "log_counts", "summ", "resid", "vmean", "diagvar", "eigval", "slots", "pad_bias")
+
+
+def assert_same_index(a, b):
+    assert (a.seal_end, a.num_clusters, a.frozen_blocks) == (b.seal_end, b.num_clusters, b.frozen_blocks)
+    M = a.num_clusters
+    for name in INDEX_FIELDS:
+        x, y = getattr(a, name), getattr(b, name)
+        dim = 0 if name in ("counts", "log_counts", "pad_bias") else 1
+        assert torch.equal(x.narrow(dim, 0, M), y.narrow(dim, 0, M)), name
+    for name in a.store._fields():
+        assert torch.equal(getattr(a.store, name)[:, :M], getattr(b.store, name)[:, :M]), name
+    if a.tree is not None:
+        for name in ("counts", "summ", "resid", "vmean", "children"):
+            assert torch.equal(getattr(a.tree, name), getattr(b.tree, name)), name
+
+
+@pytest.mark.parametrize("packing, hierarchical", [("q8_0", False), ("f16", True)])
+def test_incremental_equals_from_scratch(packing, hierarchical):
+    n_max = 1500
+    cache = synthetic_cache(n_max, HKV, D, seed=11)
+    qs = cache.queries(60, H, seed=3)
+    cfg = small_cfg(packing=packing, hierarchical=hierarchical)
+    grow = SCSALayer(cfg, H, HKV, D)
+    gen = torch.Generator().manual_seed(0)
+    n, step, frozen_seen = 70, 0, set()
+    while n <= n_max:
+        k, v = cache.k[:, :, :n], cache.v[:, :, :n]
+        out = grow.attend(qs[step % 60], k, v, D ** -0.5)
+        index = grow.indexes[0]
+        frozen_seen.add(index.frozen_blocks)
+        if step % 5 == 0 or n + 40 > n_max:
+            fresh = SCSALayer(cfg, H, HKV, D)
+            ref = fresh.attend(qs[step % 60], k, v, D ** -0.5)
+            assert_same_index(index, fresh.indexes[0])
+            assert torch.equal(out, ref)
+        n += int(torch.randint(1, 40, (1,), generator=gen))
+        step += 1
+    assert frozen_seen >= {0, 1, 2, 3, 4, 5}  # crossed every block boundary
+    # One rebuild per rebuild_interval crossed (the first call builds once).
+    expected = (grow.indexes[0].seal_end - cfg.sink) // cfg.rebuild_interval
+    assert grow.counters["rebuilds"] <= expected
+    assert grow.counters["rebuilds"] >= expected // 2
+
+
+def test_frozen_blocks_are_never_rebuilt():
+    cache = synthetic_cache(900, HKV, D, seed=2)
+    q = cache.queries(1, H)[0]
+    layer = SCSALayer(small_cfg(), H, HKV, D)
+    layer.attend(q, cache.k[:, :, :400], cache.v[:, :, :400], D ** -0.5)
+    index = layer.indexes[0]
+    assert index.frozen_blocks == 1
+    block0 = index.summ[:, :16].clone()
+    packed0 = index.store.ki[:, :16].clone()
+    calls = []
+    original = index._build_block
+    index._build_block = lambda c0, lo, k, v: (calls.append(lo), original(c0, lo, k, v))
+    layer.attend(q, cache.k[:, :, :900], cache.v[:, :, :900], D ** -0.5)
+    assert calls and min(calls) == 4 + 256  # only block 1 onwards
+    assert torch.equal(index.summ[:, :16], block0) and torch.equal(index.store.ki[:, :16], packed0)
+
+
+def test_truncated_or_replaced_cache_is_replanned():
+    cache = synthetic_cache(1200, HKV, D, seed=4)
+    other = synthetic_cache(1200, HKV, D, seed=5)
+    q = cache.queries(1, H)[0]
+    layer = SCSALayer(small_cfg(), H, HKV, D)
+    layer.attend(q, cache.k, cache.v, D ** -0.5)
+    for k, v in [(cache.k[:, :, :500], cache.v[:, :, :500]), (other.k, other.v)]:
+        out = layer.attend(q, k, v, D ** -0.5)
+        fresh = SCSALayer(small_cfg(), H, HKV, D)
+        assert torch.equal(out, fresh.attend(q, k, v, D ** -0.5))
+        assert_same_index(layer.indexes[0], fresh.indexes[0])
+    # Shrinking only inside the unsealed suffix keeps the plan.
+    seal = layer.indexes[0].seal_end
+    layer.attend(q, other.k[:, :, :seal + 1], other.v[:, :, :seal + 1], D ** -0.5)
+    assert layer.indexes[0].seal_end == seal
+
+
+def test_batch_rows_are_independent():
+    caches = [synthetic_cache(700, HKV, D, seed=s) for s in (1, 2, 3)]
+    qs = [c.queries(1, H, seed=s)[0] for s, c in enumerate(caches)]
+    batched = SCSALayer(small_cfg(), H, HKV, D)
+    out = batched.attend(torch.cat(qs), torch.cat([c.k for c in caches]), torch.cat([c.v for c in caches]),
+                         D ** -0.5)
+    for b, c in enumerate(caches):
+        alone = SCSALayer(small_cfg(), H, HKV, D).attend(qs[b], c.k, c.v, D ** -0.5)
+        assert torch.equal(out[b:b + 1], alone)

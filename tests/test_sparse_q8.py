@@ -1,0 +1,70 @@
+"""q8_0 packing: round-trip within half a step, scoring error within the derived bound."""
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from longattn.sparse.packing import dequantize_q8, make_store, q8_block, q8_dot, q8_dot_bound, quantize_q8
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny ops on a shared 2-core box: one intra-op thread avoids OpenMP barrier stalls."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_block_size_follows_head_dim():
+    assert [q8_block(d) for d in (8, 16, 24, 40, 64, 96, 128, 256)] == [8, 16, 8, 8, 32, 32, 32, 32]
+
+
+@settings(max_examples=60, deadline=None)
+@given(d=st.sampled_from([8, 24, 64, 128]), log_mag=st.floats(-6, 6), offset=st.floats(-10, 10),
+       seed=st.integers(0, 2**31 - 1))
+def test_round_trip_within_half_a_step(d, log_mag, offset, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(5, d, generator=g) + offset) * 10.0 ** log_mag
+    ints, scales = quantize_q8(x, q8_block(d))
+    step = scales.repeat_interleave(q8_block(d), dim=-1)
+    assert ints.dtype == torch.int8 and int(ints.abs().max()) <= 127
+    err = (dequantize_q8(ints, scales).double() - x.double()).abs()
+    assert bool((err <= step.double() / 2 * (1 + 1e-6) + 1e-30).all())
+
+
+@settings(max_examples=80, deadline=None)
+@given(d=st.sampled_from([8, 32, 64, 96]), qmag=st.floats(-3, 3), kmag=st.floats(-3, 3),
+       offset=st.floats(-5, 5), seed=st.integers(0, 2**31 - 1))
+def test_q8_dot_error_within_block_bound(d, qmag, kmag, offset, seed):
+    """|q.k - q8dot| <= sum_b (||q_b||_1 sk_b / 2 + sq_b / 2 ||k^_b||_1), plus fp32 rounding."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(3, 1, d, generator=g) * 10.0 ** qmag
+    k = (torch.randn(1, 7, d, generator=g) + offset) * 10.0 ** kmag
+    qb = q8_block(d)
+    exact = (q.double() * k.double()).sum(-1)
+    approx = q8_dot(q, k, qb).double()
+    bound = q8_dot_bound(q, k, qb).double()
+    rounding = 1e-5 * (q.double().abs() * k.double().abs()).sum(-1)  # fp32 sums of scaled terms
+    assert bool(((exact - approx).abs() <= bound + rounding).all())
+
+
+def test_packed_store_scores_are_q8_dots():
+    """The fast store's block-diagonal bmm gives the same numbers as the plain q8 dot."""
+    g = torch.Generator().manual_seed(0)
+    hkv, cs, d, C = 2, 8, 64, 5
+    keys = torch.randn(hkv, C, cs, d, generator=g) + 2.0
+    vals = torch.randn(hkv, C, cs, d, generator=g)
+    store = make_store("q8_0", hkv, cs, d)
+    store.write(0, keys, vals)
+    qg = torch.randn(hkv, 3, d, generator=g)
+    idx = torch.tensor([[0, 2, 4], [1, 3, 4]])
+    scores = store.scores(store.prepare_query(qg), idx)  # [Hkv, 3, 3*cs]
+    rows = keys[torch.arange(hkv).unsqueeze(1), idx].reshape(hkv, 1, -1, d)  # [Hkv, 1, 3*cs, D]
+    ref = q8_dot(qg.unsqueeze(2), rows, store.qblock)
+    assert torch.allclose(scores, ref, rtol=1e-5, atol=1e-4)
+    bound = q8_dot_bound(qg.unsqueeze(2), rows, store.qblock)
+    exact = (qg.unsqueeze(2) * rows).sum(-1)
+    assert bool(((scores - exact).abs() <= bound * (1 + 1e-5) + 1e-4).all())
+    vals_back = store.values(idx).view(hkv, 3, cs, d)
+    assert (vals_back - vals[torch.arange(hkv).unsqueeze(1), idx]).abs().max() <= store.vs.max() / 2 + 1e-7
