@@ -49,7 +49,9 @@ class Session:
         self.policy = policy or AttentionPolicy.from_config(self.cfg)
         if cache is None:
             from .cache.factory import make_cache
-            cache = make_cache(self.cfg, self.policy, batch=batch, kind="auto", model=model)
+            # K/V are stored in the activation dtype: float32, or float64 for reference runs
+            act = torch.float64 if model.model.embed_tokens.weight.dtype == torch.float64 else torch.float32
+            cache = make_cache(self.cfg, self.policy, batch=batch, kind="auto", model=model, dtype=act)
         self.cache = cache
         self.batch = self.cache.batch
 

@@ -30,7 +30,9 @@ class SparseOp:
 
     def __call__(self, q, q_pos, k, v, k_pos, scale, softcap=None, layer=0, cache=None):
         B, H, Tq, D = q.shape
-        if Tq > 1 or softcap is not None or cache is None:
+        # Prefill, and decode below min_context, take the very same dense path as a dense
+        # layer (bit-identical); SCSA only ever sees long decode steps.
+        if Tq > 1 or softcap is not None or cache is None or k.shape[2] < self.cfg.min_context:
             return masked_attention(q, k, v, allowed_mask(q_pos, k_pos, None, 0), scale, softcap)
         if self.scsa is None:
             self.scsa = SCSALayer(self.cfg, H, k.shape[1], D, layer_index=self.layer_index)

@@ -1,0 +1,78 @@
+"""SCSA wired into the model as the "sparse" attention kind."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from longattn.errors import LongattnError
+from longattn.policy import AttentionPolicy
+from longattn.session import Session
+from longattn.sparse import SCSAConfig
+from longattn.sparse_policy import build_sparse_policy, save_taus, sparse_ops
+
+SMALL = dict(cluster_size=16, rebuild_interval=64, block_size=256, recent=8, sink=2, min_context=0)
+
+
+def _decode(model, policy, prompt, steps):
+    s = Session(model, policy)
+    out = [s.prefill([prompt])[:, 0]]
+    for t in steps:
+        out.append(s.step(torch.tensor([t])))
+    return torch.cat(out)  # [steps+1, V]
+
+
+def test_tau_zero_sparse_decode_equals_dense():
+    m = tiny_model("llama")
+    m64 = tiny_model("llama", dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 96, (400,), generator=g).tolist()
+    steps = torch.randint(0, 96, (12,), generator=g).tolist()
+    pol = build_sparse_policy(m.config, SCSAConfig(**SMALL, packing="f32", calib_steps=0, tau_default=0.0))
+    sparse = _decode(m, pol, prompt, steps)
+    dense = _decode(m, AttentionPolicy.from_config(m.config), prompt, steps)
+    ref = _decode(m64, AttentionPolicy.from_config(m64.config), prompt, steps)
+    ops = sparse_ops(pol)
+    assert len(ops) == m.config.num_layers
+    assert all(op.scsa.counters["opened_rows"] > 0 for op in ops)  # really went through clusters
+    tol = 2 * (dense.double() - ref).abs().max().item() + 1e-6
+    assert (sparse.double() - ref).abs().max().item() <= tol
+
+
+def test_calibrated_sparse_decode_is_close_and_saves_taus(tmp_path):
+    m = tiny_model("llama")
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 96, (700,), generator=g).tolist()
+    steps = torch.randint(0, 96, (10,), generator=g).tolist()
+    pol = build_sparse_policy(m.config, SCSAConfig(**SMALL, calib_steps=4))
+    sparse = _decode(m, pol, prompt, steps)
+    dense = _decode(m, AttentionPolicy.from_config(m.config), prompt, steps)
+    assert all(op.scsa.calibrated for op in sparse_ops(pol))
+    rel = ((sparse - dense).norm(dim=-1) / dense.norm(dim=-1)).max().item()
+    assert rel < 0.1, rel
+    save_taus(pol, tmp_path / "taus.json")
+    taus = json.loads((tmp_path / "taus.json").read_text())
+    assert set(taus) == {f"{l}:{h}" for l in range(3) for h in range(2)}
+
+
+def test_gemma3_sparse_defaults_to_global_layers():
+    m = tiny_model("gemma3")
+    pol = build_sparse_policy(m.config)
+    assert [lp.kind for lp in pol.layers] == ["window", "window", "sparse"] * 2
+    assert [lp.window for lp in pol.layers] == [8, 8, None] * 2
+
+
+def test_sparse_below_min_context_is_dense_bit_for_bit():
+    m = tiny_model("llama")
+    prompt = list(range(1, 60))
+    pol = build_sparse_policy(m.config, SCSAConfig(min_context=10_000))
+    a = _decode(m, pol, prompt, [5, 6, 7])
+    b = _decode(m, AttentionPolicy.from_config(m.config), prompt, [5, 6, 7])
+    assert torch.equal(a, b)
+
+
+def test_sparse_layer_out_of_range():
+    m = tiny_model("llama")
+    with pytest.raises(LongattnError, match="out of range"):
+        build_sparse_policy(m.config, layers=[7])
