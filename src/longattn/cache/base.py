@@ -87,7 +87,8 @@ class GrowingLayerCache(LayerCache):
     def truncate(self, n: int) -> None:
         """Forget everything from slot ``n`` on (used for speculative / teacher-forced replays)."""
         n = max(0, min(n, self.len))
-        self.pos[:, n: self.len] = -1
+        with torch.inference_mode():  # storage may have been (re)allocated inside a forward
+            self.pos[:, n: self.len] = -1
         self.len = n
 
 

@@ -1,0 +1,159 @@
+"""SCSA vs dense decode on a real long-context model (qwen2.5-0.5b), both arms in one process.
+
+For each context length L (nested: one prefill grows the cache from length to length):
+  * dense arm: 32 + 96 greedy decode steps from the L-token book prefix, timed over the 96;
+  * sparse arm: the same cache truncated back to L, SCSA on every layer, teacher-forced with
+    the dense arm's tokens: 32 calibration steps, then 96 timed steps; per-step greedy
+    agreement = argmax(sparse logits) == dense token.
+Then a sustained row at the longest L (--sustained steps, crossing a maintenance boundary).
+
+    python benchmarks/scsa_decode.py --threads 2 [--contexts 1024 4096 8192 16384 32768]
+
+Writes benchmarks/results/scsa_decode.json and .png. Do not run beside tests or builds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from longattn.cache import KVCache  # noqa: E402
+from longattn.checkpoint import load_checkpoint  # noqa: E402
+from longattn.data import all_books_text  # noqa: E402
+from longattn.models import build_model  # noqa: E402
+from longattn.policy import AttentionPolicy  # noqa: E402
+from longattn.sparse import SCSAConfig  # noqa: E402
+from longattn.sparse_policy import build_sparse_policy, sparse_ops  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def truncate(cache: KVCache, n: int) -> None:
+    for layer in cache.layers:
+        layer.truncate(n)
+    cache.next_pos = torch.full_like(cache.next_pos, n)
+
+
+def run_dense(model, cache, policy, first_tok, steps):
+    toks, times = [], []
+    tok = first_tok
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        logits = model(tok.view(1, 1), cache=cache, policy=policy, logits="all")[0, -1]
+        times.append(time.perf_counter() - t0)
+        toks.append(int(tok))
+        tok = logits.argmax()
+    return toks, times
+
+
+def run_sparse(model, cache, policy, forced, calib):
+    agree, times = [], []
+    for i, t in enumerate(forced):
+        t0 = time.perf_counter()
+        logits = model(torch.tensor([[t]]), cache=cache, policy=policy, logits="all")[0, -1]
+        times.append(time.perf_counter() - t0)
+        if i + 1 < len(forced) and i >= calib:
+            agree.append(int(logits.argmax()) == forced[i + 1])
+    return agree, times
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-0.5b")
+    ap.add_argument("--contexts", nargs="+", type=int, default=[1024, 4096, 8192, 16384, 32768])
+    ap.add_argument("--calib", type=int, default=32)
+    ap.add_argument("--timed", type=int, default=96)
+    ap.add_argument("--sustained", type=int, default=600)
+    ap.add_argument("--tolerance", type=float, default=0.025)
+    ap.add_argument("--packing", default="q8_0")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--out", default=str(RESULTS / "scsa_decode.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    ck = load_checkpoint(args.model)
+    model = build_model(ck.config, ck.state_dict, torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
+    ids = ck.tokenizer(all_books_text())["input_ids"]
+    dense_pol = AttentionPolicy.from_config(ck.config)
+    cache = KVCache(ck.config, 1)
+    steps = args.calib + args.timed
+    rows, filled = [], 0
+    prefill_s = 0.0
+    for L in sorted(args.contexts):
+        t0 = time.perf_counter()
+        while filled < L:  # grow the shared prefix cache to L tokens
+            e = min(L, filled + args.chunk)
+            model(torch.tensor([ids[filled:e]]), cache=cache, policy=dense_pol, logits="none")
+            filled = e
+            print(f"\rprefill {filled}/{L}", end="", file=sys.stderr, flush=True)
+        prefill_s += time.perf_counter() - t0
+        print(file=sys.stderr)
+        first = torch.tensor(ids[L])
+        toks, d_times = run_dense(model, cache, dense_pol, first, steps)
+        truncate(cache, L)
+        sp_pol = build_sparse_policy(ck.config, SCSAConfig(min_context=0, calib_steps=args.calib,
+                                                           tolerance=args.tolerance, packing=args.packing))
+        agree, s_times = run_sparse(model, cache, sp_pol, toks, args.calib)
+        truncate(cache, L)
+        d = statistics.median(d_times[args.calib:])
+        s = statistics.median(s_times[args.calib:])
+        cnt = {k: sum(op.scsa.counters[k] for op in sparse_ops(sp_pol)) for k in
+               ("opened_rows", "exact_rows", "clusters_scored", "calls", "rebuilds")}
+        taus = [t for op in sparse_ops(sp_pol) for t in op.scsa.taus.tolist()]
+        row = {"context": L, "dense_tok_s": 1 / d, "sparse_tok_s": 1 / s, "speedup": d / s,
+               "agreement": sum(agree) / len(agree), "steps_timed": args.timed, "calib_steps": args.calib,
+               "counters": cnt, "tau_median": statistics.median(taus), "tau_min": min(taus)}
+        rows.append(row)
+        print(f"L={L:>6}  dense {1 / d:6.2f} tok/s  sparse {1 / s:6.2f} tok/s  {d / s:5.2f}x  "
+              f"agreement {100 * row['agreement']:5.1f}%  tau median {row['tau_median']:.3f}", flush=True)
+    sustained = None
+    if args.sustained:
+        L = max(args.contexts)
+        first = torch.tensor(ids[L])
+        toks, d_times = run_dense(model, cache, dense_pol, first, args.sustained)
+        truncate(cache, L)
+        sp_pol = build_sparse_policy(ck.config, SCSAConfig(min_context=0, calib_steps=args.calib,
+                                                           tolerance=args.tolerance, packing=args.packing))
+        agree, s_times = run_sparse(model, cache, sp_pol, toks, args.calib)
+        truncate(cache, L)
+        reb = sum(op.scsa.counters["rebuilds"] for op in sparse_ops(sp_pol))
+        d, s = statistics.median(d_times[args.calib:]), statistics.median(s_times[args.calib:])
+        sustained = {"context": L, "steps": args.sustained, "dense_tok_s": 1 / d, "sparse_tok_s": 1 / s,
+                     "speedup": d / s, "agreement": sum(agree) / len(agree), "rebuilds": reb,
+                     "sparse_step_p90_s": sorted(s_times)[int(0.9 * len(s_times))]}
+        print(f"sustained L={L} x {args.sustained} steps: {d / s:.2f}x, agreement "
+              f"{100 * sustained['agreement']:.1f}%, rebuilds {reb}", flush=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "packing": args.packing,
+           "tolerance": args.tolerance, "rows": rows, "sustained": sustained, "prefill_seconds": prefill_s}
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+        xs = [r["context"] for r in rows]
+        ax[0].plot(xs, [r["dense_tok_s"] for r in rows], "o-", label="dense")
+        ax[0].plot(xs, [r["sparse_tok_s"] for r in rows], "s-", label="SCSA")
+        ax[0].set_xscale("log", base=2); ax[0].set_xlabel("context"); ax[0].set_ylabel("decode tok/s")
+        ax[0].legend()
+        ax[1].plot(xs, [100 * r["agreement"] for r in rows], "o-")
+        ax[1].set_xscale("log", base=2); ax[1].set_xlabel("context"); ax[1].set_ylabel("greedy agreement %")
+        fig.suptitle(f"SCSA vs dense decode, {args.model} ({args.dtype}, {args.threads} threads)")
+        fig.tight_layout(); fig.savefig(Path(args.out).with_suffix(".png"), dpi=110)
+    except Exception as e:  # plotting is a convenience; the JSON is the result
+        print(f"plot skipped: {e}", file=sys.stderr)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
