@@ -27,8 +27,7 @@ def attention_probs(attn, x: torch.Tensor, pos: torch.Tensor, window=None, sinks
     """Probabilities ``[B, H, T, T]`` (float64) of one ``Attention`` module on its input ``x [B, T, hidden]``."""
     B, T, _ = x.shape
     H, Hkv, D = attn.H, attn.Hkv, attn.D
-    q = attn.q_proj(x).view(B, T, H, D)
-    k = attn.k_proj(x).view(B, T, Hkv, D)
+    q, k, _ = attn.project_qkv(x)  # [B, T, H, D], [B, T, Hkv, D]
     if attn.q_norm is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, D], [B, Hkv, T, D]

@@ -34,9 +34,18 @@ class RMSNorm(nn.Module):
         return (xf * ((1.0 + w) if self.plus_one else w)).to(x.dtype)
 
 
+# With this many rows or more, a bf16 weight is widened to float32 for the matmul: this CPU
+# has no bf16 GEMM units, so bf16 prefill ran 5x slower than float32, while widening costs
+# one pass over the weight (~5% of a 512-token chunk). Decode (few rows) stays in bf16,
+# where reading half the bytes makes a step 1.7x faster.
+WIDEN_ROWS = 32
+
+
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear in the weight's dtype (bf16 weights read half the bytes), result in x's dtype."""
     if w.dtype != x.dtype:
+        if x.numel() // x.shape[-1] >= WIDEN_ROWS:
+            return F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
         y = F.linear(x.to(w.dtype), w, None if b is None else b.to(w.dtype))
         return y.to(x.dtype)
     return F.linear(x, w, b)
@@ -60,7 +69,17 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False)
         self.act = (lambda t: F.gelu(t, approximate="tanh")) if cfg.activation == "gelu_tanh" else F.silu
 
+    def fuse(self) -> None:
+        """Replace gate/up by one [2*I, hidden] projection (one weight read, one call)."""
+        w = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data])
+        self.gate_up = Linear(w.shape[1], w.shape[0], False)
+        self.gate_up.weight.data = w
+        self.gate_proj = self.up_proj = None
+
     def forward(self, x):
+        if self.gate_proj is None:
+            g, u = self.gate_up(x).chunk(2, dim=-1)
+            return self.down_proj(self.act(g) * u)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -80,19 +99,45 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.scale = cfg.attn_scale
         self.softcap = cfg.attn_softcap
+        scaling = cfg.rope_scaling if cfg.layer_windows[layer] is None else None
+        # layers with equal rope settings share one cos/sin table per forward
+        self.rope_key = (cfg.layer_rope_theta[layer], repr(scaling))
         self.register_buffer("inv_freq", inv_freq(self.D, cfg.layer_rope_theta[layer], cfg.rope_scaling
                                                   if cfg.layer_windows[layer] is None else None),
                              persistent=False)
 
-    def forward(self, x, pos, cache, op):
+    def fuse(self) -> None:
+        """Replace q/k/v by one projection (one weight read and one call per step)."""
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        w = torch.cat([p.weight.data for p in parts])
+        self.qkv = Linear(w.shape[1], w.shape[0], parts[0].bias is not None)
+        self.qkv.weight.data = w
+        if parts[0].bias is not None:
+            self.qkv.bias.data = torch.cat([p.bias.data for p in parts])
+        self.q_proj = self.k_proj = self.v_proj = None
+
+    def project_qkv(self, x):
+        """``x [B, T, hidden]`` -> q ``[B, T, H, D]``, k and v ``[B, T, Hkv, D]`` (before norms/RoPE)."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.H, self.D)
-        k = self.k_proj(x).view(B, T, self.Hkv, self.D)
-        v = self.v_proj(x).view(B, T, self.Hkv, self.D)
+        if self.q_proj is None:
+            q, k, v = self.qkv(x).split([self.H * self.D, self.Hkv * self.D, self.Hkv * self.D], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return (q.reshape(B, T, self.H, self.D), k.reshape(B, T, self.Hkv, self.D),
+                v.reshape(B, T, self.Hkv, self.D))
+
+    def forward(self, x, pos, cache, op, rope_cache=None):
+        B, T, _ = x.shape
+        q, k, v = self.project_qkv(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, h, T, D]
-        cos, sin = rope_cos_sin(pos, self.inv_freq)
+        if rope_cache is not None and self.rope_key in rope_cache:
+            cos, sin = rope_cache[self.rope_key]
+        else:
+            cos, sin = rope_cos_sin(pos, self.inv_freq)
+            if rope_cache is not None:
+                rope_cache[self.rope_key] = (cos, sin)
         q = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype))
         k = apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
         if cache is not None:
@@ -117,11 +162,12 @@ class Block(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, p1)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, p1)
 
-    def forward(self, x, pos, cache, op):
+    def forward(self, x, pos, cache, op, rope_cache=None):
         if self.sandwich:  # Gemma: norm before and after each sub-layer
-            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), pos, cache, op))
+            a = self.self_attn(self.input_layernorm(x), pos, cache, op, rope_cache)
+            x = x + self.post_attention_layernorm(a)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self.self_attn(self.input_layernorm(x), pos, cache, op)
+        x = x + self.self_attn(self.input_layernorm(x), pos, cache, op, rope_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -173,8 +219,9 @@ class Transformer(nn.Module):
                                                            else torch.float32)
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
+        rope_cache: dict = {}
         for i, block in enumerate(self.model.layers):
-            x = block(x, pos, cache, policy.op(i))
+            x = block(x, pos, cache, policy.op(i), rope_cache)
         if cache is not None:
             cache.advance(pos)
         if logits == "none":
@@ -189,10 +236,13 @@ class Transformer(nn.Module):
         return out
 
 
-def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype = torch.float32) -> Transformer:
+def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype = torch.float32,
+                fuse: bool = True) -> Transformer:
     """Instantiate and load weights (strict: a missing or extra tensor is an error).
 
     ``dtype`` applies to the big matrices (projections, embeddings); norms stay float32.
+    ``fuse`` concatenates q/k/v and gate/up projections after loading (fewer, larger
+    matmuls: the decode step is dominated by per-call overhead and weight reads).
     """
     with torch.device("meta"):
         m = Transformer(cfg)
@@ -217,5 +267,9 @@ def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype = torch.f
             raise LongattnError(f"tensor {k} has shape {tuple(t.shape)}, config expects {tuple(p.shape)}")
         big = t.dim() == 2 or dtype == torch.float64
         p.data = t.to(dtype if big else torch.float32).contiguous()
+    if fuse:
+        for block in m.model.layers:
+            block.self_attn.fuse()
+            block.mlp.fuse()
     m.eval()
     return m
