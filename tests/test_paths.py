@@ -45,11 +45,15 @@ def test_forward_chunked_step_agree(family):
 
 
 def test_prefill_logits_last_matches_all():
+    """logits="last" computes the head on one row only: same values up to summation order."""
     m = tiny_model("llama")
+    m64 = tiny_model("llama", dtype=torch.float64)
     ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(4))
     a = Session(m).prefill(ids, chunk=6, logits="all")[:, -1]
     b = Session(m).prefill(ids, chunk=6, logits="last")[:, 0]
-    assert torch.equal(a, b)
+    ref = m64(ids)[:, -1]
+    tol = 2 * (a.double() - ref).abs().max().item() + 1e-6
+    assert (b.double() - ref).abs().max().item() <= tol
 
 
 def test_cache_grows_and_counts_bytes():

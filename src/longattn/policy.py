@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import torch
 
 from .errors import LongattnError
-from .ops.dense import masked_attention
+from .ops.dense import causal_attention, masked_attention
 from .ops.masks import allowed_mask
 
 
@@ -55,8 +55,22 @@ class WindowOp:
         if self._banded_applies(q, q_pos, k_pos, softcap):
             from .ops.banded import banded_attention
             return banded_attention(q, k, v, lp.window, lp.sinks, scale)
+        if self._plain_causal(q, q_pos, k_pos, softcap):
+            return causal_attention(q, k, v, scale)
         mask = allowed_mask(q_pos, k_pos, lp.window, lp.sinks)
         return masked_attention(q, k, v, mask, scale, softcap)
+
+    def _plain_causal(self, q, q_pos, k_pos, softcap) -> bool:
+        """A one-shot prefill whose mask is exactly causal (no window within reach, keys
+        0..T-1) can use the fused causal kernel, which skips the masked half of the work.
+        An unset window and any window >= T take this same path (bit-identical)."""
+        lp, Tq, Tk = self.lp, q.shape[2], k_pos.shape[1]
+        if softcap is not None or Tq != Tk or Tq <= 16 or q.shape[0] != 1:
+            return False
+        if lp.window is not None and lp.window < Tk:
+            return False
+        ar = torch.arange(Tk, dtype=k_pos.dtype)
+        return bool(torch.equal(k_pos[0], ar) and torch.equal(q_pos[0], ar))
 
 
     def _banded_applies(self, q, q_pos, k_pos, softcap) -> bool:

@@ -77,16 +77,17 @@ class Session:
         outs, last = [], None
         for s in range(0, T, step):
             e = min(T, s + step)
+            # Only the logits asked for: the head of a 262K vocabulary costs more than the
+            # whole transformer for a short chunk.
             out = self.model(ids[:, s:e], pos[:, s:e], cache=self.cache, policy=self.policy,
-                             logits="all")
+                             logits="all" if logits == "all" else "last")
             if logits == "all":
                 outs.append(out)
             else:
                 # keep, per stream, the logits of its last real token seen so far
                 valid = pos[:, s:e] >= 0
                 if valid.any():
-                    idx = valid.sum(dim=1) - 1
-                    cur = out[torch.arange(self.batch), idx.clamp(min=0)]
+                    cur = out[:, 0]  # [B, V] at each row's last real token in this chunk
                     last = cur if last is None else torch.where(valid.any(dim=1, keepdim=True), cur, last)
             if progress:
                 progress(e - s)

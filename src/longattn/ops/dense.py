@@ -59,3 +59,13 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=safe, scale=scale,
                                          enable_gqa=(H != Hkv))
     return out.masked_fill(~any_ok, 0.0)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Plain causal attention (query t reads keys 0..t) through the fused kernel.
+
+    q ``[B, H, T, D]``, k/v ``[B, Hkv, T, D]`` -> ``[B, H, T, D]``. Equal to
+    ``masked_attention`` with the causal mask up to summation order.
+    """
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                          enable_gqa=(q.shape[1] != k.shape[1]))
