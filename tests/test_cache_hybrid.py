@@ -236,6 +236,10 @@ def test_real_gemma3_270m_cache_sizes_against_transformers(capsys):
                     k, _, p = tee.layers[i].view()
                     order = torch.argsort(p[0])[1:]
                     assert torch.equal(k[:, :, order], theirs.layers[i].keys)
+            # the formula, to the byte, against both caches (issue: window lab)
+            from longattn.lab import hybrid_cache_bytes
+            assert hybrid_cache_bytes(cfg, n) == sum(mine)
+            assert hybrid_cache_bytes(cfg, n, convention="transformers") == sum(logical)
             with capsys.disabled():
                 print(f"\n[gemma3-270m, T={n}] ours {sum(mine)} B; transformers {sum(logical)} B logical, "
                       f"{sum(storage)} B allocated storage; difference = 15 layers x {slot} B")
