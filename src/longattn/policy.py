@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .errors import LongattnError
+from .errors import LongattnError, check_int
 from .ops.dense import causal_attention, masked_attention
 from .ops.masks import allowed_mask
 
@@ -28,15 +28,6 @@ class LayerPolicy:
     kind: str = "window"          # "window" (None window = dense) | "sparse" | registered kinds
     window: Optional[int] = None  # keys per query including itself; None = full causal
     sinks: int = 0                # first positions always readable
-
-
-def _check_int(name: str, v, allow_none: bool = True) -> None:
-    if v is None and allow_none:
-        return
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise LongattnError(f"{name} must be a non-negative integer, got {v!r}")
-    if v < 0:
-        raise LongattnError(f"{name} must be non-negative, got {v}")
 
 
 class WindowOp:
@@ -113,8 +104,8 @@ class AttentionPolicy:
             from . import sparse_policy  # noqa: F401  (registers the "sparse" kind)
         self.ops = []
         for lp in self.layers:
-            _check_int("window", lp.window)
-            _check_int("sinks", lp.sinks, allow_none=False)
+            check_int("window", lp.window, allow_none=True)
+            check_int("sinks", lp.sinks)
             if lp.kind not in OP_REGISTRY:
                 raise LongattnError(f"unknown attention kind '{lp.kind}'; known: {', '.join(OP_REGISTRY)}")
             self.ops.append(OP_REGISTRY[lp.kind](lp, self, len(self.ops)))
@@ -149,8 +140,8 @@ class AttentionPolicy:
                 windows kept elsewhere.
             "layers": ``windows`` is a per-layer list of int|None.
         """
-        _check_int("window", window)
-        _check_int("sinks", sinks, allow_none=False)
+        check_int("window", window, allow_none=True)
+        check_int("sinks", sinks)
         L = cfg.num_layers
         trained = list(cfg.layer_windows)
         if window == 0:
@@ -175,7 +166,7 @@ class AttentionPolicy:
                 n = "none" if windows is None else len(windows)
                 raise LongattnError(f"per-layer window list has {n} entries; the model has {L} layers")
             for w in windows:
-                _check_int("window", w)
+                check_int("window", w, allow_none=True)
             ws = [None if not w else int(w) for w in windows]
         else:
             raise LongattnError(f"unknown policy mode '{mode}'; use checkpoint, dense, window, global or layers")

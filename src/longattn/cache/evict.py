@@ -21,7 +21,7 @@ from typing import Sequence, Union
 
 import torch
 
-from ..errors import LongattnError
+from ..errors import LongattnError, check_int
 from ..models.rope import rerotate
 from .base import GrowingLayerCache, KVCache
 from .ring import RingLayerCache
@@ -60,15 +60,9 @@ def layer_inv_freqs(model_or_inv_freqs, num_layers: int) -> list:
     return fs
 
 
-def _check_int(name: str, v) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise LongattnError(f"evict {name} must be an integer, got {v!r}")
-    return v
-
-
 def _validate_span(cache: KVCache, start, end) -> None:
-    _check_int("start", start)
-    _check_int("end", end)
+    check_int("evict start", start, minimum=None)
+    check_int("evict end", end, minimum=None)
     if start < 0:
         raise LongattnError(f"evict start must be >= 0, got {start}")
     if start >= end:

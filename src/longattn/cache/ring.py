@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-from ..errors import LongattnError
+from ..errors import LongattnError, check_int
 from ..models.rope import rerotate
 from .base import LayerCache, register_layer_cache
 
@@ -46,11 +46,6 @@ def ring_slot(pos: torch.Tensor, sinks: int, window: int) -> torch.Tensor:
     """Slot of each absolute position ``pos`` (any shape, int64, >= 0) in a ring of
     ``sinks`` pinned slots and ``window`` rotating ones (DESIGN.md)."""
     return torch.where(pos < sinks, pos, sinks + (pos - sinks).remainder(window))
-
-
-def _check_count(name: str, v, lo: int) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise LongattnError(f"ring cache {name} must be an integer >= {lo}, got {v!r}")
 
 
 class RingLayerCache(LayerCache):
@@ -68,8 +63,8 @@ class RingLayerCache(LayerCache):
 
     def __init__(self, batch: int, kv_heads: int, head_dim: int, window: int, sinks: int = 0,
                  dtype=torch.float32, inv_freq: Optional[torch.Tensor] = None, reindex: bool = False):
-        _check_count("window", window, 1)
-        _check_count("sinks", sinks, 0)
+        check_int("ring cache window", window, minimum=1)
+        check_int("ring cache sinks", sinks)
         if reindex and inv_freq is None:
             raise LongattnError("ring cache reindex=True needs the layer's RoPE inv_freq "
                                 "(build it with make_cache(..., model=model))")

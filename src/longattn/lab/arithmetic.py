@@ -14,19 +14,13 @@ from typing import Optional
 
 import torch
 
-from ..errors import LongattnError
+from ..errors import LongattnError, check_int
 
 CONVENTIONS = ("longattn", "transformers")
 
 
 def _windowed(W: Optional[int]) -> bool:
     return W is not None and W > 0
-
-
-def _check_count(name: str, x) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or x < 0:
-        raise LongattnError(f"{name} must be a non-negative integer, got {x!r}")
-    return x
 
 
 def window_mask(T: int, W: Optional[int], sinks: int = 0) -> torch.Tensor:
@@ -36,8 +30,8 @@ def window_mask(T: int, W: Optional[int], sinks: int = 0) -> torch.Tensor:
         ``[T, T]`` bool, entry ``[i, j]`` True when query i may read key j:
         ``j <= i`` and (``i - j < W`` or ``j < sinks``); full causal when W is None/<= 0.
     """
-    _check_count("T", T)
-    _check_count("sinks", sinks)
+    check_int("T", T)
+    check_int("sinks", sinks)
     i = torch.arange(T)[:, None]  # [T, 1] queries
     j = torch.arange(T)[None, :]  # [1, T] keys
     ok = j <= i
@@ -62,8 +56,8 @@ def attention_pairs(T: int, W: Optional[int], sinks: int = 0) -> int:
     keys that are causal but fell out of its window: min(S, i - W + 1) when positive.
     Example: T=16, W=4 -> 58 pairs (136 causal); T=32768, W=1024 -> 16.3x fewer than causal.
     """
-    _check_count("T", T)
-    _check_count("sinks", sinks)
+    check_int("T", T)
+    check_int("sinks", sinks)
     if not _windowed(W):
         return T * (T + 1) // 2
     band = _sum_min(T, W)               # sum_{i=0}^{T-1} min(W, i+1)
@@ -77,7 +71,7 @@ def reach(L: int, W: Optional[int]) -> float:
     Each layer moves information at most W-1 positions back. Full attention (W None/<= 0) has
     unbounded reach: ``math.inf``.
     """
-    _check_count("L", L)
+    check_int("L", L)
     if not _windowed(W):
         return math.inf
     return L * (W - 1)
@@ -102,9 +96,9 @@ def bounded_cache_tokens(T: int, W: Optional[int], sinks: int = 0, slack: int = 
         (Its ``StaticSlidingWindowLayer`` instead preallocates ``min(max_cache_len, W)`` slots.)
     Full attention layers (W None/<= 0) hold T.
     """
-    _check_count("T", T)
-    _check_count("sinks", sinks)
-    _check_count("slack", slack)
+    check_int("T", T)
+    check_int("sinks", sinks)
+    check_int("slack", slack)
     if convention not in CONVENTIONS:
         raise LongattnError(f"unknown cache convention {convention!r}; use one of {', '.join(CONVENTIONS)}")
     if not _windowed(W):
@@ -139,7 +133,7 @@ def hybrid_cache_bytes(config, T: int, dtype: torch.dtype = torch.float32, sinks
         int total bytes, or ``[L]`` list of ints. Layer bytes = 2 * num_kv_heads * head_dim *
         itemsize * tokens, tokens = T for full layers and ``bounded_cache_tokens`` otherwise.
     """
-    _check_count("T", T)
+    check_int("T", T)
     windows = list(config.layer_windows)
     if len(windows) != config.num_layers:
         raise LongattnError(f"config has {len(windows)} layer windows for {config.num_layers} layers")
