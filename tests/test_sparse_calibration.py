@@ -4,36 +4,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from longattn.sparse import SCSAConfig, SCSALayer
+from longattn.sparse import SCSALayer
 from longattn.sparse.calibrate import Calibrator, relative_error
-from longattn.sparse.synthetic import synthetic_cache
+from sparse_fixtures import decode_run, one_thread, small_cfg as _small_cfg  # noqa: F401
 
 H, HKV, D = 8, 2, 64
 START, STEPS = 2000, 32
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops on a shared 2-core box: one intra-op thread avoids OpenMP barrier stalls."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def small_cfg(**kw):
-    base = dict(cluster_size=32, rebuild_interval=64, block_size=512, sink=4, recent=16,
-                min_context=0, calib_steps=STEPS, tolerance=0.025)
-    base.update(kw)
-    return SCSAConfig(**base)
+    return _small_cfg(**{"cluster_size": 32, "block_size": 512, "recent": 16, "calib_steps": STEPS,
+                         "tolerance": 0.025, **kw})
 
 
 @pytest.fixture(scope="module")
 def decode():
     """A decode run: the cache grows by one token per call (crossing a rebuild)."""
-    cache = synthetic_cache(START + STEPS, HKV, D, seed=21)
-    qs = cache.queries(STEPS, H, seed=4)
-    return [(qs[i], cache.k[:, :, :START + i + 1], cache.v[:, :, :START + i + 1]) for i in range(STEPS)]
+    return decode_run(START, STEPS, H, HKV, D, seed=21, query_seed=4)
 
 
 def run(layer, steps):

@@ -7,16 +7,7 @@ import torch
 
 from longattn.errors import LongattnError
 from longattn.sparse import SCSAConfig, SCSALayer
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops on a shared 2-core box: one intra-op thread avoids OpenMP barrier stalls."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
+from sparse_fixtures import one_thread  # noqa: F401  (autouse)
 
 
 @pytest.mark.parametrize("kwargs, needle", [

@@ -20,29 +20,16 @@ import torch
 import torch.nn.functional as F
 
 from longattn.ops.reference import reference_attention
-from longattn.sparse import SCSAConfig, SCSALayer
+from longattn.sparse import SCSALayer
 from longattn.sparse.packing import dequantize_q8, q8_block, q8_dot_bound, quantize_q8
-from longattn.sparse.synthetic import synthetic_cache
+from sparse_fixtures import attn_case, one_thread, small_cfg as _small_cfg  # noqa: F401
 
 H, HKV, D, N = 4, 2, 64, 1111
 EPS32 = torch.finfo(torch.float32).eps
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops on a shared 2-core box: one intra-op thread avoids OpenMP barrier stalls."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-
 def small_cfg(**kw):
-    base = dict(cluster_size=16, rebuild_interval=64, block_size=256, sink=4, recent=8,
-                min_context=0, calib_steps=0, tau_default=0.0)
-    base.update(kw)
-    return SCSAConfig(**base)
+    return _small_cfg(**{"tau_default": 0.0, **kw})
 
 
 def ref64(q, k, v, scale):
@@ -58,9 +45,7 @@ def fp32_budget(q, k, v, scale):
 
 
 def data(n=N, seed=0):
-    cache = synthetic_cache(n, HKV, D, seed=seed)
-    q = cache.queries(1, H, seed=seed)[0]
-    return q, cache.k, cache.v, D ** -0.5
+    return attn_case(n, H, HKV, D, seed=seed)
 
 
 def sealed(layer, x):

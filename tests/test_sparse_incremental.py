@@ -4,26 +4,14 @@ block boundaries; truncated or replaced caches are replanned; batch rows are ind
 import pytest
 import torch
 
-from longattn.sparse import SCSAConfig, SCSALayer
-from longattn.sparse.synthetic import synthetic_cache
+from longattn.sparse import SCSALayer
+from sparse_fixtures import attn_case, one_thread, small_cfg as _small_cfg  # noqa: F401
 
 H, HKV, D = 4, 2, 32
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops on a shared 2-core box: one intra-op thread avoids OpenMP barrier stalls."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def small_cfg(**kw):
-    base = dict(cluster_size=16, rebuild_interval=64, block_size=256, sink=4, recent=8,
-                min_context=0, calib_steps=0, tau_default=0.05)
-    base.update(kw)
-    return SCSAConfig(**base)
+    return _small_cfg(**{"tau_default": 0.05, **kw})
 
 
 INDEX_FIELDS = ("counts", "log_counts", "summ", "resid", "vmean", "diagvar", "eigval", "slots", "pad_bias")
@@ -46,14 +34,13 @@ def assert_same_index(a, b):
 @pytest.mark.parametrize("packing, hierarchical", [("q8_0", False), ("f16", True)])
 def test_incremental_equals_from_scratch(packing, hierarchical):
     n_max = 1500
-    cache = synthetic_cache(n_max, HKV, D, seed=11)
-    qs = cache.queries(60, H, seed=3)
+    qs, k_all, v_all, _ = attn_case(n_max, H, HKV, D, seed=11, queries=60, query_seed=3)
     cfg = small_cfg(packing=packing, hierarchical=hierarchical)
     grow = SCSALayer(cfg, H, HKV, D)
     gen = torch.Generator().manual_seed(0)
     n, step, frozen_seen = 70, 0, set()
     while n <= n_max:
-        k, v = cache.k[:, :, :n], cache.v[:, :, :n]
+        k, v = k_all[:, :, :n], v_all[:, :, :n]
         out = grow.attend(qs[step % 60], k, v, D ** -0.5)
         index = grow.indexes[0]
         frozen_seen.add(index.frozen_blocks)
@@ -72,10 +59,9 @@ def test_incremental_equals_from_scratch(packing, hierarchical):
 
 
 def test_frozen_blocks_are_never_rebuilt():
-    cache = synthetic_cache(900, HKV, D, seed=2)
-    q = cache.queries(1, H)[0]
+    q, k, v, _ = attn_case(900, H, HKV, D, seed=2, query_seed=1)
     layer = SCSALayer(small_cfg(), H, HKV, D)
-    layer.attend(q, cache.k[:, :, :400], cache.v[:, :, :400], D ** -0.5)
+    layer.attend(q, k[:, :, :400], v[:, :, :400], D ** -0.5)
     index = layer.indexes[0]
     assert index.frozen_blocks == 1
     block0 = index.summ[:, :16].clone()
@@ -83,34 +69,33 @@ def test_frozen_blocks_are_never_rebuilt():
     calls = []
     original = index._build_block
     index._build_block = lambda c0, lo, k, v: (calls.append(lo), original(c0, lo, k, v))
-    layer.attend(q, cache.k[:, :, :900], cache.v[:, :, :900], D ** -0.5)
+    layer.attend(q, k, v, D ** -0.5)
     assert calls and min(calls) == 4 + 256  # only block 1 onwards
     assert torch.equal(index.summ[:, :16], block0) and torch.equal(index.store.ki[:, :16], packed0)
 
 
 def test_truncated_or_replaced_cache_is_replanned():
-    cache = synthetic_cache(1200, HKV, D, seed=4)
-    other = synthetic_cache(1200, HKV, D, seed=5)
-    q = cache.queries(1, H)[0]
+    q, k0, v0, _ = attn_case(1200, H, HKV, D, seed=4, query_seed=1)
+    _, k1, v1, _ = attn_case(1200, H, HKV, D, seed=5)
     layer = SCSALayer(small_cfg(), H, HKV, D)
-    layer.attend(q, cache.k, cache.v, D ** -0.5)
-    for k, v in [(cache.k[:, :, :500], cache.v[:, :, :500]), (other.k, other.v)]:
+    layer.attend(q, k0, v0, D ** -0.5)
+    for k, v in [(k0[:, :, :500], v0[:, :, :500]), (k1, v1)]:
         out = layer.attend(q, k, v, D ** -0.5)
         fresh = SCSALayer(small_cfg(), H, HKV, D)
         assert torch.equal(out, fresh.attend(q, k, v, D ** -0.5))
         assert_same_index(layer.indexes[0], fresh.indexes[0])
     # Shrinking only inside the unsealed suffix keeps the plan.
     seal = layer.indexes[0].seal_end
-    layer.attend(q, other.k[:, :, :seal + 1], other.v[:, :, :seal + 1], D ** -0.5)
+    layer.attend(q, k1[:, :, :seal + 1], v1[:, :, :seal + 1], D ** -0.5)
     assert layer.indexes[0].seal_end == seal
 
 
 def test_batch_rows_are_independent():
-    caches = [synthetic_cache(700, HKV, D, seed=s) for s in (1, 2, 3)]
-    qs = [c.queries(1, H, seed=s)[0] for s, c in enumerate(caches)]
+    cases = [attn_case(700, H, HKV, D, seed=s, query_seed=i) for i, s in enumerate((1, 2, 3))]
+    qs = [c[0] for c in cases]
     batched = SCSALayer(small_cfg(), H, HKV, D)
-    out = batched.attend(torch.cat(qs), torch.cat([c.k for c in caches]), torch.cat([c.v for c in caches]),
+    out = batched.attend(torch.cat(qs), torch.cat([c[1] for c in cases]), torch.cat([c[2] for c in cases]),
                          D ** -0.5)
-    for b, c in enumerate(caches):
-        alone = SCSALayer(small_cfg(), H, HKV, D).attend(qs[b], c.k, c.v, D ** -0.5)
+    for b, (q, k, v, _) in enumerate(cases):
+        alone = SCSALayer(small_cfg(), H, HKV, D).attend(q, k, v, D ** -0.5)
         assert torch.equal(out[b:b + 1], alone)

@@ -5,15 +5,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from longattn.sparse.packing import dequantize_q8, make_store, q8_block, q8_dot, q8_dot_bound, quantize_q8
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops on a shared 2-core box: one intra-op thread avoids OpenMP barrier stalls."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from sparse_fixtures import one_thread  # noqa: F401  (autouse)
 
 
 def test_block_size_follows_head_dim():

@@ -4,33 +4,20 @@ the fast path makes the same decisions as the serial float64 path."""
 import pytest
 import torch
 
-from longattn.sparse import SCSAConfig, SCSALayer
+from longattn.sparse import SCSALayer
 from longattn.sparse.kernel import stop_counts
-from longattn.sparse.synthetic import synthetic_cache
+from sparse_fixtures import attn_case, one_thread, small_cfg as _small_cfg  # noqa: F401
 
 H, HKV, D, N = 6, 2, 32, 1203
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops on a shared 2-core box: one intra-op thread avoids OpenMP barrier stalls."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def small_cfg(**kw):
-    base = dict(cluster_size=16, rebuild_interval=64, block_size=256, sink=4, recent=8,
-                min_context=0, calib_steps=0, tree_fanout=3)
-    base.update(kw)
-    return SCSAConfig(**base)
+    return _small_cfg(**{"tree_fanout": 3, **kw})
 
 
 @pytest.fixture(scope="module")
 def case():
-    cache = synthetic_cache(N, HKV, D, centers=24, seed=5)
-    return cache.queries(3, H, seed=2), cache.k, cache.v, D ** -0.5
+    return attn_case(N, H, HKV, D, seed=5, queries=3, query_seed=2, centers=24)
 
 
 @pytest.mark.parametrize("hierarchical", [False, True])
@@ -101,13 +88,12 @@ def test_fast_path_matches_serial_reference(case, packing, hierarchical, tau):
 
 def test_tree_walk_cost_tracks_the_opened_set():
     """Focused queries open a few clusters; the walk then scores far fewer nodes than flat."""
-    cache = synthetic_cache(4000, HKV, D, centers=24, seed=9)
-    qs = cache.queries(4, H, topics=1, seed=1)
+    qs, k, v, scale = attn_case(4000, H, HKV, D, seed=9, queries=4, query_seed=1, topics=1, centers=24)
     flat = SCSALayer(small_cfg(tau_default=0.02, tree_fanout=4), H, HKV, D)
     tree = SCSALayer(small_cfg(tau_default=0.02, tree_fanout=4, hierarchical=True), H, HKV, D)
     for q in qs:
-        flat.attend(q, cache.k, cache.v, D ** -0.5)
-        tree.attend(q, cache.k, cache.v, D ** -0.5)
+        flat.attend(q, k, v, scale)
+        tree.attend(q, k, v, scale)
         (acc,) = tree.debug_accounting()
         assert torch.equal(acc["coverage"], torch.ones_like(acc["coverage"]))
     M = flat.indexes[0].num_clusters
