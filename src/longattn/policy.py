@@ -60,9 +60,7 @@ class WindowOp:
             return False
         if lp.window is not None and lp.window < Tk:
             return False
-        ar = torch.arange(Tk, dtype=k_pos.dtype)
-        return bool(torch.equal(k_pos[0], ar) and torch.equal(q_pos[0], ar))
-
+        return _keys_from_zero(q_pos, k_pos)
 
     def _banded_applies(self, q, q_pos, k_pos, softcap) -> bool:
         """Banded pays off for long windowed prefills over keys laid out as 0..Tk-1."""
@@ -70,8 +68,16 @@ class WindowOp:
         if (self.banded_min_tokens is None or lp.window is None or softcap is not None
                 or q.shape[0] != 1 or Tq < self.banded_min_tokens or lp.window >= Tk):
             return False
-        ar = torch.arange(Tk, dtype=k_pos.dtype)
-        return bool(torch.equal(k_pos[0], ar) and torch.equal(q_pos[0], ar[Tk - Tq:]))
+        return _keys_from_zero(q_pos, k_pos)
+
+
+def _keys_from_zero(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
+    """True when stream 0's keys are exactly positions 0..Tk-1 and its queries are the
+    last Tq of them (a one-shot prefill, or a chunk over a cache that holds every earlier
+    position in order): the layout the causal and banded kernels assume."""
+    Tq, Tk = q_pos.shape[1], k_pos.shape[1]
+    ar = torch.arange(Tk, dtype=k_pos.dtype)
+    return bool(torch.equal(k_pos[0], ar) and torch.equal(q_pos[0], ar[Tk - Tq:]))
 
 
 # Prefill chunks at least this long take the banded path on windowed layers; below it the
