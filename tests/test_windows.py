@@ -168,3 +168,43 @@ def test_model_prefill_takes_banded_path_and_agrees():
     assert calls == [8, 8, 8, 8]  # the four local layers, window 8
     tol = 2 * (plain.double() - ref).abs().max().item() + 1e-6
     assert (fast.double() - ref).abs().max().item() <= tol
+
+
+def test_mask_memo_shared_across_layers_fresh_per_step():
+    """Layers with the same window and sinks build their mask once per forward (the cache
+    hands each layer its own key-position tensor, equal in value); each decode step, at
+    new positions, builds it again and matches a policy that never reuses a mask."""
+    m = tiny_model("gemma3")
+    L = m.config.num_layers
+    pol, ref_pol = AttentionPolicy.from_config(m.config), AttentionPolicy.from_config(m.config)
+    groups = len({(lp.window, lp.sinks) for lp in pol.layers})
+    assert 1 < groups < L  # local (window 8) and global layers
+    ids = _ids(1, 14, seed=3)  # 14 <= 16 tokens: every layer takes the masked path
+    s, ref = Session(m, pol), Session(m, ref_pol)
+    got, want = s.prefill(ids), ref.prefill(ids)
+    assert torch.equal(got, want)
+    assert (pol.masks.misses, pol.masks.hits) == (groups, L - groups)
+    for t in range(3):  # positions 14, 15, 16
+        tok = _ids(1, 1, seed=10 + t)[:, 0]
+        ref_pol.masks.clear()
+        want = ref.step(tok)
+        misses, hits = pol.masks.misses, pol.masks.hits
+        assert torch.equal(s.step(tok), want)
+        assert (pol.masks.misses - misses, pol.masks.hits - hits) == (groups, L - groups)
+
+
+def test_mask_memo_sees_positions_rewritten_in_place():
+    """The same tensor objects with new values (as a cache writes its slots) build a new mask."""
+    from longattn.policy import LayerPolicy, WindowOp
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g) for n in (1, 10, 10))
+    q_pos, k_pos = torch.tensor([[9]]), torch.arange(10)[None]
+    op = WindowOp(LayerPolicy("window", 4, 1))
+    before = op(q, q_pos, k, v, k_pos, scale=0.35)
+    q_pos.add_(1)
+    k_pos.add_(1)
+    after = op(q, q_pos, k, v, k_pos, scale=0.35)
+    assert op.masks.misses == 2 and op.masks.hits == 0
+    assert torch.equal(after, WindowOp(op.lp)(q, q_pos, k, v, k_pos, scale=0.35))
+    assert not torch.equal(after, before)
+    assert torch.equal(op(q, q_pos, k, v, k_pos.clone(), scale=0.35), after) and op.masks.hits == 1

@@ -30,16 +30,59 @@ class LayerPolicy:
     sinks: int = 0                # first positions always readable
 
 
+def _same_positions(kept: torch.Tensor, pos: torch.Tensor) -> bool:
+    return (kept.shape == pos.shape and kept.dtype == pos.dtype and kept.device == pos.device
+            and bool(torch.equal(kept, pos)))
+
+
+class MaskMemo:
+    """The last boolean mask built per (window, sinks), reused while the positions match.
+
+    Within one forward every layer gets the same query positions, and layers whose caches
+    are alike hold the same key positions, so layers sharing a window and sinks share one
+    ``allowed_mask``. A hit needs ``q_pos`` and ``k_pos`` equal in value to private copies
+    taken when the mask was built. Value, not identity: a cache writes its position
+    tensor in place and Python reuses the ids of freed tensors, so an identity key could
+    hand back a mask built for other positions; the copies cannot change or be freed.
+    Equal positions give the same mask, so a hit is bit-identical to building it again.
+    One entry per (window, sinks): the next forward's positions replace it, which bounds
+    memory to one mask per distinct setting (``clear()`` drops them).
+    """
+
+    def __init__(self):
+        self._entries: dict = {}  # (window, sinks) -> (q_pos copy, k_pos copy, mask)
+        self.hits = 0
+        self.misses = 0
+
+    def mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int],
+             sinks: int) -> torch.Tensor:
+        """``allowed_mask(q_pos, k_pos, window, sinks)``, built once per distinct positions."""
+        entry = self._entries.get((window, sinks))
+        if entry is not None and _same_positions(entry[0], q_pos) and _same_positions(entry[1], k_pos):
+            self.hits += 1
+            return entry[2]
+        self.misses += 1
+        mask = allowed_mask(q_pos, k_pos, window, sinks)
+        self._entries[(window, sinks)] = (q_pos.clone(), k_pos.clone(), mask)
+        return mask
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
 class WindowOp:
     """Masked attention by absolute positions; window None = dense causal.
 
     The prefill of a windowed layer may take the banded O(T*W) path (same mask, different
     arithmetic order); set ``banded_min_tokens`` to None to keep every path on masked SDPA.
+    ``masks`` is shared by the ops of one policy so layers reuse each other's mask.
     """
 
-    def __init__(self, lp: LayerPolicy, banded_min_tokens: Optional[int] = None):
+    def __init__(self, lp: LayerPolicy, banded_min_tokens: Optional[int] = None,
+                 masks: Optional[MaskMemo] = None):
         self.lp = lp
         self.banded_min_tokens = banded_min_tokens
+        self.masks = masks if masks is not None else MaskMemo()
 
     def __call__(self, q, q_pos, k, v, k_pos, scale, softcap=None, layer=0, cache=None):
         lp = self.lp
@@ -48,7 +91,7 @@ class WindowOp:
             return banded_attention(q, k, v, lp.window, lp.sinks, scale)
         if self._plain_causal(q, q_pos, k_pos, softcap):
             return causal_attention(q, k, v, scale)
-        mask = allowed_mask(q_pos, k_pos, lp.window, lp.sinks)
+        mask = self.masks.mask(q_pos, k_pos, lp.window, lp.sinks)
         return masked_attention(q, k, v, mask, scale, softcap)
 
     def _plain_causal(self, q, q_pos, k_pos, softcap) -> bool:
@@ -85,7 +128,7 @@ def _keys_from_zero(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
 BANDED_MIN_TOKENS = 2048
 
 def _window_factory(lp: LayerPolicy, policy: "AttentionPolicy", layer: int) -> WindowOp:
-    return WindowOp(lp, policy.banded_min_tokens)
+    return WindowOp(lp, policy.banded_min_tokens, policy.masks)
 
 
 # kind -> factory(layer_policy, attention_policy, layer_index) returning the layer's op.
@@ -104,6 +147,7 @@ class AttentionPolicy:
     banded_min_tokens: Optional[int] = BANDED_MIN_TOKENS
     sparse_config: Optional[object] = None  # SCSAConfig for "sparse" layers
     ops: list = field(default_factory=list, repr=False)
+    masks: MaskMemo = field(default_factory=MaskMemo, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if any(lp.kind == "sparse" for lp in self.layers):
