@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from longattn.sparse import SCSALayer
-from longattn.sparse.calibrate import Calibrator, relative_error
+from longattn.sparse.calibrate import Calibrator, group_error, relative_error
 from sparse_fixtures import decode_run, one_thread, small_cfg as _small_cfg  # noqa: F401
 
 H, HKV, D = 8, 2, 64
@@ -77,3 +77,65 @@ def test_loaded_taus_skip_calibration(decode, tmp_path):
     q, k, v = decode[0]
     assert torch.equal(other.attend(q, k, v, D ** -0.5), layer.attend(q, k, v, D ** -0.5))
     assert other.calibrator.calls == 0
+
+
+FACTOR_TWO_GRID = (0.0, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32)  # the grid before sqrt(2) steps
+
+
+def frozen_replay(taus, decode, **kw):
+    """Run ``decode`` with frozen ``taus``: (outputs, layer)."""
+    layer = SCSALayer(small_cfg(calib_steps=0, **kw), H, HKV, D)
+    layer.set_taus(taus)
+    return run(layer, decode), layer
+
+
+def exact_outputs(decode):
+    return [F.scaled_dot_product_attention(q, k, v, scale=D ** -0.5, enable_gqa=True) for q, k, v in decode]
+
+
+def test_finer_default_grid_never_opens_more(decode):
+    """The default grid holds every value of the factor-2 grid, so each head's largest passing tau
+    can only grow, and the stop rule's prefix only shrinks as tau grows."""
+    from longattn.sparse.config import DEFAULT_TAU_GRID
+    assert set(FACTOR_TWO_GRID) <= set(DEFAULT_TAU_GRID)
+    coarse = SCSALayer(small_cfg(tau_grid=FACTOR_TWO_GRID), H, HKV, D)
+    fine = SCSALayer(small_cfg(), H, HKV, D)
+    run(coarse, decode)
+    run(fine, decode)
+    assert bool((fine.taus >= coarse.taus).all())
+    _, a = frozen_replay(coarse.taus, decode)
+    _, b = frozen_replay(fine.taus, decode)
+    assert b.counters["opened_rows"] <= a.counters["opened_rows"]
+
+
+def test_group_error_never_exceeds_the_worst_head():
+    g = torch.Generator().manual_seed(0)
+    o = torch.randn(50, HKV, H // HKV, D, generator=g) * torch.rand(50, HKV, H // HKV, 1, generator=g)
+    o_tau = o + 0.1 * torch.randn(o.shape, generator=g) * torch.rand(50, HKV, H // HKV, 1, generator=g)
+    head, group = group_error(o_tau, o, "head"), group_error(o_tau, o, "group")
+    assert bool((group <= head * (1 + 1e-12)).all())
+    assert bool((group < head).any())
+    one = o_tau[:, :, :1], o[:, :, :1]  # a single query head per group: the two metrics coincide
+    assert torch.allclose(group_error(*one, "group"), group_error(*one, "head"), rtol=1e-12, atol=0)
+
+
+def test_group_metric_meets_its_tolerance_with_larger_taus(decode):
+    head = SCSALayer(small_cfg(), H, HKV, D)
+    group = SCSALayer(small_cfg(calib_metric="group"), H, HKV, D)
+    run(head, decode)
+    run(group, decode)
+    assert bool((group.taus >= head.taus).all())
+    outs, layer = frozen_replay(group.taus, decode)
+    errs = torch.stack([group_error(o[0, :, 0].view(HKV, -1, D), e[0, :, 0].view(HKV, -1, D), "group")
+                        for o, e in zip(outs, exact_outputs(decode))])  # [STEPS, Hkv]
+    assert bool((errs.median(0).values <= 0.025).all()), errs.median(0).values
+
+
+def test_choose_at_another_tolerance_equals_calibrating_at_it(decode):
+    """Re-picking from the recorded errors == a calibration run at that tolerance."""
+    base = SCSALayer(small_cfg(tolerance=0.025), H, HKV, D)
+    run(base, decode)
+    for tol in (0.002, 0.05, 0.2):
+        other = SCSALayer(small_cfg(tolerance=tol), H, HKV, D)
+        run(other, decode)
+        assert torch.equal(base.calibrator.choose(base.cfg.tau_default, tol), other.taus)

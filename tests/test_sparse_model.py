@@ -76,3 +76,34 @@ def test_sparse_layer_out_of_range():
     m = tiny_model("llama")
     with pytest.raises(LongattnError, match="out of range"):
         build_sparse_policy(m.config, layers=[7])
+
+
+def test_retune_and_preset_taus():
+    """retune re-picks every layer's taus from its calibration; preset_taus hands them to a new
+    policy whose decode skips calibration and equals the calibrated policy's decode."""
+    from longattn.sparse_policy import policy_taus, preset_taus, retune
+    m = tiny_model("llama")
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, 96, (700,), generator=g).tolist()
+    steps = torch.randint(0, 96, (8,), generator=g).tolist()
+    pol = build_sparse_policy(m.config, SCSAConfig(**SMALL, calib_steps=4))
+    _decode(m, pol, prompt, steps[:5])  # 4 calibration steps (the prefill's last token is not a step)
+    assert all(op.scsa.calibrated for op in sparse_ops(pol))
+    loose = retune(pol, 0.5)
+    tight = retune(pol, 1e-9)
+    for op in sparse_ops(pol):
+        li = op.layer_index
+        assert loose[li] == op.scsa.calibrator.choose(op.cfg.tau_default, 0.5).tolist()
+        assert all(t <= u for t, u in zip(tight[li], loose[li]))
+    taus = retune(pol, 0.025)
+    fresh = build_sparse_policy(m.config, SCSAConfig(**SMALL, calib_steps=4))
+    preset_taus(fresh, m.config, taus)
+    assert policy_taus(fresh) == taus
+    for op in sparse_ops(pol):
+        op.scsa.reset()
+    a = _decode(m, pol, prompt, steps)
+    b = _decode(m, fresh, prompt, steps)
+    assert torch.equal(a, b)
+    assert all(op.scsa.calibrator.calls == 0 for op in sparse_ops(fresh))
+    with pytest.raises(LongattnError, match="tolerance"):
+        retune(pol, 0.0)

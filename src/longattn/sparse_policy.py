@@ -80,6 +80,32 @@ def sparse_ops(policy: AttentionPolicy) -> list:
     return [op for op in policy.ops if isinstance(op, SparseOp)]
 
 
+def policy_taus(policy: AttentionPolicy) -> dict:
+    """``{layer: [tau per KV head]}`` of every sparse layer that has run a decode step."""
+    return {op.layer_index: op.scsa.taus.tolist() for op in sparse_ops(policy) if op.scsa is not None}
+
+
+def retune(policy: AttentionPolicy, tolerance: float) -> dict:
+    """Re-pick every calibrated layer's taus for another ``tolerance`` from the errors its
+    calibration already recorded (same samples, no rerun); returns ``policy_taus``."""
+    if not tolerance > 0:
+        raise LongattnError(f"tolerance must be > 0, got {tolerance}")
+    for op in sparse_ops(policy):
+        if op.scsa is not None and op.scsa.calibrator.samples:
+            op.scsa.set_taus(op.scsa.calibrator.choose(op.cfg.tau_default, tolerance))
+    return policy_taus(policy)
+
+
+def preset_taus(policy: AttentionPolicy, cfg, taus: dict) -> None:
+    """Give every sparse layer of ``policy`` frozen ``taus`` (``{layer: [tau per KV head]}``, as
+    ``policy_taus`` returns) before its first step, so a new stream skips calibration."""
+    for op in sparse_ops(policy):
+        if op.layer_index not in taus:
+            raise LongattnError(f"no taus for sparse layer {op.layer_index}")
+        op.scsa = SCSALayer(op.cfg, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, layer_index=op.layer_index)
+        op.scsa.set_taus(taus[op.layer_index])
+
+
 def save_taus(policy: AttentionPolicy, path) -> None:
     import json
     taus = {}

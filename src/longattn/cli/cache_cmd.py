@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
-
-from .common import add_json_arg, emit_json, setup_threads
+from .common import add_lab_parser, add_output_args, progress_ticker, save_results, setup_threads
 
 DEFAULT_MODELS = ["smollm2-135m", "gemma3-270m", "qwen2.5-0.5b"]
 
 
 def add_parser(sub) -> None:
     from ..lab.plots import int_list, str_list
-    p = sub.add_parser("cache", help="KV cache bytes vs context per policy: measured caches and the formula",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = add_lab_parser(sub, "cache", help="KV cache bytes vs context per policy: measured caches and the formula",
                        description="Build each policy's cache with make_cache, fill it with T tokens and "
-                                   "read its bytes, beside hybrid_cache_bytes (the closed form).")
+                                   "read its bytes, beside hybrid_cache_bytes (the closed form).", model=False)
     p.add_argument("--models", type=str_list, default=",".join(DEFAULT_MODELS),
                    help="bundled model names or checkpoint paths, comma-separated")
     p.add_argument("--contexts", type=int_list, default="256,512,1024,2048,4096,8192,16384,32768",
@@ -28,9 +25,7 @@ def add_parser(sub) -> None:
     p.add_argument("--fill", choices=["update", "model"], default="update",
                    help="update: random K/V through cache.update; model: prefill random ids through the model")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    p.add_argument("--out", default="results/cache", help="directory for the JSON and PNG")
-    add_json_arg(p)
-    p.set_defaults(func=run)
+    add_output_args(p, "results/cache", run)
 
 
 def run(args) -> int:
@@ -38,7 +33,7 @@ def run(args) -> int:
     from ..checkpoint import load_checkpoint
     from ..errors import LongattnError
     from ..lab.cachebytes import cache_sweep, named_policies, plot_cache
-    from ..lab.plots import format_table, out_dir, progress_bar, write_json, written
+    from ..lab.plots import format_table, out_dir
     setup_threads(args.threads)
     if args.window < 1 or args.sinks < 0:
         raise LongattnError("--window must be >= 1 and --sinks >= 0")
@@ -54,11 +49,7 @@ def run(args) -> int:
             from ..models import build_model
             model = build_model(ck.config, ck.state_dict)
         pols = named_policies(ck.config, args.window, args.sinks)
-        bar = progress_bar(len(pols) * len(args.contexts), f"cache {ck.name}", unit="cache")
-
-        def tick(label):
-            bar.set_postfix_str(label)
-            bar.update(1)
+        bar, tick = progress_ticker(len(pols) * len(args.contexts), f"cache {ck.name}", unit="cache")
         res = cache_sweep(ck.config, pols, sorted(args.contexts), dtype, measure_max=args.measure_max,
                           model=model, progress=tick)
         bar.close()
@@ -80,13 +71,9 @@ def run(args) -> int:
           "match: held == formula, and allocated == formula once the rings are full")
     doc = {"experiment": "cache", "window": args.window, "sinks": args.sinks, "kv_dtype": args.kv_dtype,
            "contexts": sorted(args.contexts), "mismatches": bad, "models": results}
-    paths = [write_json(out / "cache.json", doc)]
-    plot_cache(results, out / "cache.png")
-    paths.append(out / "cache.png")
-    print(written(paths))
-    if args.json:
-        emit_json({k: v for k, v in doc.items() if k != "models"} |
-                  {"rows": [dict(model=res["model"], **{k: r[k] for k in r if not k.startswith("layer")
-                                                        and k != "windows"})
-                            for res in results for r in res["rows"]]})
+    save_results(args, out, "cache", doc, lambda png: plot_cache(results, png),
+                 summary=lambda: ({k: v for k, v in doc.items() if k != "models"} |
+                                  {"rows": [dict(model=res["model"], **{k: r[k] for k in r if not k.startswith("layer")
+                                                                        and k != "windows"})
+                                            for res in results for r in res["rows"]]}))
     return 0 if bad == 0 else 1

@@ -81,3 +81,60 @@ def run_guarded(fn, args) -> int:
     except MemoryError:
         print("longattn: error: out of memory; use a smaller context, window or batch", file=sys.stderr)
         return 2
+
+# ---------------------------------------------------------------- lab commands
+# The experiment commands (quality, receptive, cache, scaling, sinks, retrieval) share
+# their parser's frame, the progress ticker and the way they write results.
+
+def add_lab_parser(sub, name: str, help: str, description: str,
+                   model: bool = True) -> argparse.ArgumentParser:
+    """The subparser of a lab command: defaults shown in --help and, unless ``model`` is
+    False, the model options (add_model_args) first."""
+    p = sub.add_parser(name, help=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description=description)
+    if model:
+        add_model_args(p)
+    return p
+
+
+def add_output_args(p: argparse.ArgumentParser, out: str, run) -> None:
+    """The closing options of a lab command: --out (default ``out``), --json; ``run`` runs it."""
+    p.add_argument("--out", default=out, help="directory for the JSON and PNG")
+    add_json_arg(p)
+    p.set_defaults(func=run)
+
+
+def progress_ticker(total: int, desc: str, unit: str):
+    """``(bar, tick)``: a progress bar on stderr and ``tick(label)``, which shows the label
+    and advances the bar by one; close the bar when done."""
+    from ..lab.plots import progress_bar
+    bar = progress_bar(total, desc, unit=unit)
+
+    def tick(label):
+        bar.set_postfix_str(label)
+        bar.update(1)
+    return bar, tick
+
+
+def save_results(args, out, stem: str, doc: dict, plot, summary=None) -> None:
+    """Write ``out/stem.json`` (``doc``) and ``out/stem.png`` (``plot(path)``), print what was
+    written, and with --json print ``summary()`` (default: ``doc``) as the last line of stdout."""
+    from ..lab.plots import write_json, written
+    paths = [write_json(out / f"{stem}.json", doc)]
+    png = out / f"{stem}.png"
+    plot(png)
+    paths.append(png)
+    print(written(paths))
+    if args.json:
+        emit_json(doc if summary is None else summary())
+
+
+def load_text_model(args, needs: str):
+    """``(checkpoint, model, encode)`` like load_model, for a command that reads text: a
+    checkpoint without a tokenizer is refused ("<name> has no tokenizer; <needs>");
+    ``encode(text)`` gives the token ids."""
+    ck, model = load_model(args)
+    tok = ck.tokenizer
+    if tok is None:
+        raise LongattnError(f"{ck.name} has no tokenizer; {needs}")
+    return ck, model, lambda s: tok(s)["input_ids"]

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
-
-from .common import add_json_arg, add_model_args, emit_json, load_model, setup_threads
+from .common import add_lab_parser, add_output_args, load_text_model, progress_ticker, save_results, setup_threads
 
 
 def add_parser(sub) -> None:
     from ..lab.plots import int_list
-    p = sub.add_parser("quality", help="bits/token vs window and sinks on book passages, with the full baseline",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = add_lab_parser(sub, "quality", help="bits/token vs window and sinks on book passages, with the full baseline",
                        description="Score the second half of N book passages of T tokens under a grid of "
                                    "imposed windows x sinks, beside the checkpoint's own attention.")
-    add_model_args(p)
     p.add_argument("--passages", type=int, default=2, help="number of book passages")
     p.add_argument("--length", type=int, default=1024, help="tokens per passage (the second half is scored)")
     p.add_argument("--windows", type=int_list, default="64,128,256,512", help="windows W, comma-separated")
@@ -24,14 +20,12 @@ def add_parser(sub) -> None:
     p.add_argument("--reindex", action="store_true",
                    help="StreamingLLM position re-indexing (chunked through ring caches; moves only the sinks)")
     p.add_argument("--chunk", type=int, default=256, help="tokens per forward on the --reindex path")
-    p.add_argument("--out", default="results/quality", help="directory for the JSON and PNG")
-    add_json_arg(p)
-    p.set_defaults(func=run)
+    add_output_args(p, "results/quality", run)
 
 
 def run(args) -> int:
     from ..errors import LongattnError
-    from ..lab.plots import format_table, out_dir, progress_bar, slug, write_json, written
+    from ..lab.plots import format_table, out_dir, slug
     from ..lab.quality import plot_quality, quality_sweep
     from ..lab.tasks import book_passages
     setup_threads(args.threads)
@@ -42,16 +36,10 @@ def run(args) -> int:
     if any(w < 1 for w in args.windows):
         raise LongattnError("--windows must be positive")
     out = out_dir(args.out)
-    ck, model = load_model(args)
-    if ck.tokenizer is None:
-        raise LongattnError(f"{ck.name} has no tokenizer; quality needs text passages")
-    passages = book_passages(lambda s: ck.tokenizer(s)["input_ids"], args.passages, args.length)
+    ck, model, encode = load_text_model(args, "quality needs text passages")
+    passages = book_passages(encode, args.passages, args.length)
     total = args.passages * (1 + len(args.windows) * len(args.sinks))
-    bar = progress_bar(total, "quality", unit="fwd")
-
-    def tick(label):
-        bar.set_postfix_str(label)
-        bar.update(1)
+    bar, tick = progress_ticker(total, "quality", unit="fwd")
     res = quality_sweep(model, passages, args.windows, args.sinks, mode=args.mode, reindex=args.reindex,
                         chunk=args.chunk, progress=tick)
     bar.close()
@@ -63,11 +51,5 @@ def run(args) -> int:
     kind = "window" if res["mode"] == "window" else "W on global layers"
     rows += [[kind, r["window"], r["sinks"], r["bits_per_token"], r["delta_bits"]] for r in res["rows"]]
     print(format_table(["policy", "window", "sinks", "bits/token", "delta"], rows))
-    stem = f"quality_{slug(ck.name)}"
-    paths = [write_json(out / f"{stem}.json", res)]
-    plot_quality(res, out / f"{stem}.png")
-    paths.append(out / f"{stem}.png")
-    print(written(paths))
-    if args.json:
-        emit_json(res)
+    save_results(args, out, f"quality_{slug(ck.name)}", res, lambda png: plot_quality(res, png))
     return 0

@@ -2,31 +2,25 @@
 
 from __future__ import annotations
 
-import argparse
-
-from .common import add_json_arg, add_model_args, emit_json, load_model, setup_threads
+from .common import add_lab_parser, add_output_args, load_text_model, save_results, setup_threads
 
 
 def add_parser(sub) -> None:
     from ..lab.plots import int_list
-    p = sub.add_parser("receptive", help="largest logit change vs distance after changing one token",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = add_lab_parser(sub, "receptive", help="largest logit change vs distance after changing one token",
                        description="Change the token at one position of a book passage and record the "
                                    "largest change of any logit at each later distance, with a window on "
                                    "every layer. Beyond L*(W-1) the change is exactly zero.")
-    add_model_args(p)
     p.add_argument("--windows", type=int_list, default="4,8,16", help="windows W, comma-separated")
     p.add_argument("--sinks", type=int, default=0, help="sink tokens with every window")
     p.add_argument("--length", type=int, default=512, help="tokens of book text")
     p.add_argument("--position", type=int, default=8, help="position whose token is changed")
-    p.add_argument("--out", default="results/receptive", help="directory for the JSON and PNG")
-    add_json_arg(p)
-    p.set_defaults(func=run)
+    add_output_args(p, "results/receptive", run)
 
 
 def run(args) -> int:
     from ..errors import LongattnError
-    from ..lab.plots import format_table, out_dir, progress_bar, slug, write_json, written
+    from ..lab.plots import format_table, out_dir, progress_bar, slug
     from ..lab.receptive import plot_receptive, receptive_field
     from ..lab.tasks import book_passages
     setup_threads(args.threads)
@@ -35,10 +29,8 @@ def run(args) -> int:
     if any(w < 1 for w in args.windows):
         raise LongattnError("--windows must be positive")
     out = out_dir(args.out)
-    ck, model = load_model(args)
-    if ck.tokenizer is None:
-        raise LongattnError(f"{ck.name} has no tokenizer; receptive reads book text")
-    ids = book_passages(lambda s: ck.tokenizer(s)["input_ids"], 1, args.length)[0]
+    ck, model, encode = load_text_model(args, "receptive reads book text")
+    ids = book_passages(encode, 1, args.length)[0]
     bar = progress_bar(len(args.windows), "receptive", unit="window")
     results = []
     for w in args.windows:
@@ -57,14 +49,9 @@ def run(args) -> int:
                      "-" if beyond is None else ("yes" if beyond else "NO")])
     print(format_table(["window", "reach L(W-1)", "last nonzero", "change at reach", "exact 0 beyond"], rows,
                        floatfmt=".3g"))
-    stem = f"receptive_{slug(ck.name)}"
     res = {"experiment": "receptive", "model": ck.name, "results": results}
-    paths = [write_json(out / f"{stem}.json", res)]
-    plot_receptive(results, out / f"{stem}.png")
-    paths.append(out / f"{stem}.png")
-    print(written(paths))
-    if args.json:
-        emit_json({"experiment": "receptive", "model": ck.name,
-                   "summary": [{k: r[k] for k in ("window", "sinks", "reach", "last_nonzero_distance",
-                                                  "zero_beyond_reach")} for r in results]})
+    save_results(args, out, f"receptive_{slug(ck.name)}", res, lambda png: plot_receptive(results, png),
+                 summary=lambda: {"experiment": "receptive", "model": ck.name,
+                                  "summary": [{k: r[k] for k in ("window", "sinks", "reach", "last_nonzero_distance",
+                                                                 "zero_beyond_reach")} for r in results]})
     return 0

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
-
-from .common import add_json_arg, add_model_args, emit_json, load_model, setup_threads
+from .common import add_lab_parser, add_output_args, load_text_model, progress_ticker, save_results, setup_threads
 
 
 def add_parser(sub) -> None:
     from ..lab.plots import int_list, str_list
     from ..lab.tasks import TASKS
-    p = sub.add_parser("retrieval", help="passkey / RULER niah / vt accuracy vs needle distance",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = add_lab_parser(sub, "retrieval", help="passkey / RULER niah / vt accuracy vs needle distance",
                        description="Greedy retrieval accuracy with the needle a controlled number of tokens "
                                    "before the end of the prompt, under the checkpoint's attention, a window, "
                                    "and a window + sinks. Book text stands in for RULER's essay haystack. "
                                    f"Tasks: {', '.join(TASKS)}.")
-    add_model_args(p)
     p.add_argument("--tasks", type=str_list, default="passkey", help="tasks, comma-separated")
     p.add_argument("--distances", type=int_list, default="64,192,448",
                    help="needle distances from the end of the prompt (tokens), comma-separated")
@@ -31,14 +27,12 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="cap on generated tokens (default: the task's published count: passkey 10, niah 128, vt 30)")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk size (tokens)")
-    p.add_argument("--out", default="results/retrieval", help="directory for the JSON and PNG")
-    add_json_arg(p)
-    p.set_defaults(func=run)
+    add_output_args(p, "results/retrieval", run)
 
 
 def run(args) -> int:
     from ..errors import LongattnError
-    from ..lab.plots import format_table, out_dir, progress_bar, slug, write_json, written
+    from ..lab.plots import format_table, out_dir, slug
     from ..lab.retrieval import plot_retrieval, retrieval_policies, retrieval_sweep
     from ..lab.tasks import TASKS
     setup_threads(args.threads)
@@ -50,18 +44,12 @@ def run(args) -> int:
     if any(d < 1 or d > args.length for d in args.distances):
         raise LongattnError(f"--distances must lie in 1..--length ({args.length})")
     out = out_dir(args.out)
-    ck, model = load_model(args)
+    ck, model, encode = load_text_model(args, "retrieval needs text prompts")
     tok = ck.tokenizer
-    if tok is None:
-        raise LongattnError(f"{ck.name} has no tokenizer; retrieval needs text prompts")
     policies = retrieval_policies(ck.config, args.window, args.sinks, args.mode)
-    bar = progress_bar(len(args.tasks) * len(args.distances) * args.samples * len(policies), "retrieval",
-                       unit="prompt")
-
-    def tick(label):
-        bar.set_postfix_str(label)
-        bar.update(1)
-    res = retrieval_sweep(model, lambda s: tok(s)["input_ids"], lambda ids: tok.decode(ids, skip_special_tokens=True),
+    bar, tick = progress_ticker(len(args.tasks) * len(args.distances) * args.samples * len(policies), "retrieval",
+                                unit="prompt")
+    res = retrieval_sweep(model, encode, lambda ids: tok.decode(ids, skip_special_tokens=True),
                           args.tasks, args.distances, policies, args.samples, args.length, args.seed,
                           args.max_new_tokens, set(ck.config.eos_token_ids), args.chunk, progress=tick)
     bar.close()
@@ -71,11 +59,6 @@ def run(args) -> int:
     print(format_table(["task", "policy", "distance", "measured", "score %"],
                        [[r["task"], r["policy"], r["distance"], round(r["mean_needle_distance"]), r["score"]]
                         for r in res["rows"]], floatfmt=".1f"))
-    stem = f"retrieval_{slug(ck.name)}"
-    paths = [write_json(out / f"{stem}.json", res)]
-    plot_retrieval(res, out / f"{stem}.png")
-    paths.append(out / f"{stem}.png")
-    print(written(paths))
-    if args.json:
-        emit_json({k: v for k, v in res.items() if k != "records"})
+    save_results(args, out, f"retrieval_{slug(ck.name)}", res, lambda png: plot_retrieval(res, png),
+                 summary=lambda: {k: v for k, v in res.items() if k != "records"})
     return 0

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
-
-from .common import add_json_arg, add_model_args, emit_json, load_model, setup_threads
+from .common import add_lab_parser, add_output_args, load_model, progress_ticker, save_results, setup_threads
 
 
 def add_parser(sub) -> None:
     from ..lab.plots import int_list
-    p = sub.add_parser("scaling", help="decode step and prefill attention time vs context",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = add_lab_parser(sub, "scaling", help="decode step and prefill attention time vs context",
                        description="Median decode step time with a full (growing) cache and a ring, and "
                                    "prefill attention time for dense causal SDPA, masked SDPA and banded "
                                    "attention. Use bigger --decode-contexts/--prefill-contexts for the "
                                    "long-context regime (e.g. up to 32768).")
-    add_model_args(p)
     p.add_argument("--decode-contexts", type=int_list, default="512,1024,2048,4096,8192",
                    help="contexts T for the decode step, comma-separated")
     p.add_argument("--prefill-contexts", type=int_list, default="1024,2048,4096,8192",
@@ -25,26 +21,20 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed decode steps per point (median)")
     p.add_argument("--prefill-repeats", type=int, default=3, help="timed prefill calls per point (median)")
     p.add_argument("--skip-decode", action="store_true", help="only time prefill attention (no model load)")
-    p.add_argument("--out", default="results/scaling", help="directory for the JSON and PNG")
-    add_json_arg(p)
-    p.set_defaults(func=run)
+    add_output_args(p, "results/scaling", run)
 
 
 def run(args) -> int:
     import torch
     from ..errors import LongattnError
-    from ..lab.plots import format_table, out_dir, progress_bar, slug, write_json, written
+    from ..lab.plots import format_table, out_dir, slug
     from ..lab.scaling import decode_step_times, plot_scaling, prefill_attention_times
     setup_threads(args.threads)
     if args.window < 1 or args.sinks < 0 or args.repeats < 1 or args.prefill_repeats < 1:
         raise LongattnError("need --window >= 1, --sinks >= 0 and repeats >= 1")
     out = out_dir(args.out)
     n = (0 if args.skip_decode else len(args.decode_contexts)) + len(args.prefill_contexts)
-    bar = progress_bar(n, "scaling", unit="point")
-
-    def tick(label):
-        bar.set_postfix_str(label)
-        bar.update(1)
+    bar, tick = progress_ticker(n, "scaling", unit="point")
     from ..checkpoint import load_checkpoint
     if args.skip_decode:
         ck = load_checkpoint(args.model, progress=True, with_tokenizer=False)
@@ -74,11 +64,5 @@ def run(args) -> int:
                        [[t, d, m, b, d / b] for t, d, m, b in
                         zip(prefill["contexts"], prefill["dense_ms"], prefill["masked_ms"], prefill["banded_ms"])],
                        floatfmt=".2f"))
-    stem = f"scaling_{slug(name)}"
-    paths = [write_json(out / f"{stem}.json", res)]
-    plot_scaling(res, out / f"{stem}.png")
-    paths.append(out / f"{stem}.png")
-    print(written(paths))
-    if args.json:
-        emit_json(res)
+    save_results(args, out, f"scaling_{slug(name)}", res, lambda png: plot_scaling(res, png))
     return 0

@@ -2,10 +2,16 @@
 
 For the first ``calib_steps`` decode calls that have an index the layer runs exactly and, for
 every tau of the grid, replays the stop rule and the sparse output. Each sample records, per KV
-head, the worst relative error ``||o_tau - o_exact|| / ||o_exact||`` over the query heads that
-share it (they read one union selection, so they share one tau). Then each head freezes the
-largest tau whose median error over the samples meets the tolerance (the smallest grid value
-when none does; ``tau_default`` when the head never saw a sample).
+head, one error for the query heads that share it (they read one union selection, so they share
+one tau): with ``calib_metric="head"`` the worst relative error ``||o_tau - o_exact|| /
+||o_exact||`` over those heads, with ``"group"`` the relative error of their outputs taken
+together, ``||O_tau - O||_F / ||O||_F``. The group error never exceeds the worst head's (each
+head's error is at most r_max times its norm, so the sums of squares are too); it weighs every
+head's error by what it adds to the layer's output rather than relative to that one head's norm,
+which on real models is small for heads that mostly rest on a sink token.
+Then each head freezes the largest tau whose median error over the samples meets the tolerance
+(the smallest grid value when none does; ``tau_default`` when the head never saw a sample). The
+samples are kept, so ``choose(tolerance=...)`` re-picks for another tolerance without rerunning.
 """
 
 from __future__ import annotations
@@ -17,6 +23,14 @@ def relative_error(o: torch.Tensor, o_exact: torch.Tensor) -> torch.Tensor:
     """``||o - o_exact|| / ||o_exact||`` over the last axis (``[..., D] -> [...]``)."""
     den = o_exact.double().norm(dim=-1).clamp_min(1e-30)
     return (o.double() - o_exact.double()).norm(dim=-1) / den
+
+
+def group_error(o: torch.Tensor, o_exact: torch.Tensor, metric: str) -> torch.Tensor:
+    """Error per KV head of the outputs ``[Hkv, g, D]``: ``[Hkv]`` (see the module docstring)."""
+    if metric == "group":
+        den = o_exact.double().flatten(-2).norm(dim=-1).clamp_min(1e-30)
+        return (o.double() - o_exact.double()).flatten(-2).norm(dim=-1) / den
+    return relative_error(o, o_exact).amax(-1)
 
 
 class Calibrator:
@@ -45,11 +59,11 @@ class Calibrator:
             return torch.full((len(self.grid), self.hkv), float("nan"), dtype=torch.float64)
         return torch.stack(self.samples).median(0).values
 
-    def choose(self, tau_default: float) -> torch.Tensor:
-        """Frozen tau per KV head, float32 ``[Hkv]``."""
+    def choose(self, tau_default: float, tolerance: float | None = None) -> torch.Tensor:
+        """Frozen tau per KV head, float32 ``[Hkv]`` (at ``tolerance``, default the configured one)."""
         if not self.samples:
             return torch.full((self.hkv,), tau_default)
-        ok = self.medians() <= self.tolerance  # [T, Hkv]
+        ok = self.medians() <= (self.tolerance if tolerance is None else tolerance)  # [T, Hkv]
         pos = torch.arange(len(self.grid)).unsqueeze(1).expand_as(ok)
         best = torch.where(ok, pos, torch.zeros_like(pos)).amax(0)  # index of the largest passing tau
         return self.grid[best].float()

@@ -13,8 +13,15 @@ from ..errors import LongattnError
 PACKINGS = ("q8_0", "f16", "f32")
 MAX_RANK = 8
 
-# Thresholds replayed during self-calibration (0 = dense, always present as the fallback).
-DEFAULT_TAU_GRID = (0.0, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32)
+# Thresholds replayed during self-calibration (0 = dense, always present as the fallback):
+# 0.0025 * 2**(i/2) up to 0.64, a factor sqrt(2) apart. On Qwen2.5-0.5B the chosen taus sat at
+# 0.04-0.08 where a factor-2 grid lost up to half of the sparsity a head could afford; the grid is
+# a superset of the earlier factor-2 grid (0.0025 .. 0.32), so a head never picks a smaller tau.
+DEFAULT_TAU_GRID = (0.0,) + tuple(round(0.0025 * 2 ** (i / 2), 6) for i in range(17))
+# How a calibration sample's error is measured per KV head (its g query heads share one tau):
+#   "head":  the worst query head's ||o_tau - o|| / ||o||;
+#   "group": ||O_tau - O||_F / ||O||_F over the g heads' outputs together (<= "head" always).
+CALIB_METRICS = ("head", "group")
 
 
 @dataclass(slots=True)
@@ -37,6 +44,8 @@ class SCSAConfig:
         tolerance: target median relative output error per head during calibration.
         tau_default: threshold before calibration ends and for heads never calibrated.
         tau_grid: thresholds replayed during calibration (ascending, in [0, 1]).
+        calib_metric: "head" (worst query head's relative output error, the default) or
+            "group" (relative error of the KV group's outputs taken together; see CALIB_METRICS).
         hierarchical: select by a best-first walk of an interval tree over the clusters.
         tree_fanout: children per internal tree node (hierarchical mode).
         serial: use the slow per-cluster reference path (diagnostics, tests).
@@ -55,6 +64,7 @@ class SCSAConfig:
     tolerance: float = 0.025
     tau_default: float = 0.05
     tau_grid: tuple = DEFAULT_TAU_GRID
+    calib_metric: str = "head"
     hierarchical: bool = False
     tree_fanout: int = 4
     serial: bool = False
@@ -96,6 +106,8 @@ class SCSAConfig:
         if not grid or any(not 0.0 <= t <= 1.0 for t in grid) or list(grid) != sorted(set(grid)):
             bad(f"tau_grid must be non-empty, strictly ascending, within [0, 1]; got {self.tau_grid}")
         self.tau_grid = grid
+        if self.calib_metric not in CALIB_METRICS:
+            bad(f"calib_metric must be one of {', '.join(CALIB_METRICS)}, got {self.calib_metric!r}")
         if self.tree_fanout < 2:
             bad(f"tree_fanout must be >= 2, got {self.tree_fanout}")
         if self.min_context < 0:

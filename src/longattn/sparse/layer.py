@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import LongattnError
-from .calibrate import Calibrator, relative_error
+from .calibrate import Calibrator, group_error
 from .config import SCSAConfig
 from .index import ClusterIndex
 from .kernel import (NEG_INF, Selection, cluster_scores, mask_to_ids, merged_output, needed, select_flat,
@@ -282,7 +282,7 @@ class SCSALayer:
             if self.cfg.hierarchical:
                 for tau in grid:
                     o_tau, _ = self._sparse(index, prep, scale, tau.expand(self.num_kv_heads))
-                    errs.append(relative_error(o_tau, o_exact).amax(-1))  # [Hkv], worst query head
+                    errs.append(group_error(o_tau, o_exact, self.cfg.calib_metric))  # [Hkv]
             else:  # one sort for the whole grid; equal selections share one output
                 taus = grid.unsqueeze(1).expand(-1, self.num_kv_heads)  # [T, Hkv]
                 opened = needed(prep["est"], prep["log_exact"], taus)  # [T, Hkv, M]
@@ -291,7 +291,7 @@ class SCSALayer:
                     if last is None or not torch.equal(mask, last):
                         sel = Selection(mask, None, ~mask, 0)
                         o_tau = self._output(index, prep, sel, prep["tail"], index.live_vmean, scale)
-                        err = relative_error(o_tau, o_exact).amax(-1)  # [Hkv], worst query head
+                        err = group_error(o_tau, o_exact, self.cfg.calib_metric)  # [Hkv]
                         last = mask
                     errs.append(err)
             tables.append(torch.stack(errs))  # [T, Hkv]
