@@ -2,7 +2,9 @@
 
 Part 1, selection: time of the priority + selection step only (``cluster_scores`` + the flat stop
 rule, or the tree walk) and the number of summaries scored, on one KV head (7 query heads, as one
-Qwen2.5-0.5B group) of synthetic clustered keys, at 32K .. 524K rows (1M when memory allows).
+Qwen2.5-0.5B group) of synthetic clustered keys, at 32K .. 1,048,576 rows. Next to each time
+stands ``clusters_scored`` (summaries scored per call, deterministic): the cost measure that does
+not depend on the machine's load. Hierarchical selection is flat in N when it stays constant.
 Two regimes of synthetic queries (strength 1.5, noise 1.0):
   * diffuse: each query head mixes two of 48 key components; a fixed fraction of the cache
     matters, so the opened set grows with N;
@@ -18,7 +20,8 @@ Timings are medians over interleaved repeats (methods alternate inside every rep
 computed from medians of the same run. Writes benchmarks/results/scsa_selection.json and .png.
 
     python benchmarks/scsa_selection.py --quick          # < 2 minutes
-    python benchmarks/scsa_selection.py --threads 2      # the full grid
+    python benchmarks/scsa_selection.py --threads 2      # the full grid (selection to 1,048,576 rows)
+    python benchmarks/scsa_selection.py --quick --sizes 1048576 --no-attend   # one size, selection only
 """
 
 from __future__ import annotations
@@ -218,7 +221,8 @@ def plot(results: dict, path: Path) -> None:
     axes[2].set_ylabel("ms per decode call (one layer)")
     axes[2].set_title(f"attend vs dense, {QWEN_HEADS}q/{QWEN_KV}kv x {HEAD_DIM}")
     axes[2].grid(True, which="both", alpha=0.3)
-    axes[2].legend(fontsize=7)
+    if results["attend"]:
+        axes[2].legend(fontsize=7)
     fig.suptitle(f"SCSA on synthetic clustered keys ({results['meta']['threads']} threads)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -231,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats per point")
     ap.add_argument("--tau", type=float, default=0.02, help="stop threshold for the selection part")
+    ap.add_argument("--sizes", type=int, nargs="+", default=None,
+                    help="selection sizes in rows (default: 32K..1M, --quick: 32K and 128K)")
+    ap.add_argument("--no-attend", action="store_true", help="skip part 2 (attend vs dense)")
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args(argv)
     if args.threads < 1:
@@ -241,11 +248,22 @@ def main(argv: list[str] | None = None) -> int:
         sel_sizes, att_sizes = [32768, 131072], [4096, 16384]
         queries, repeats, calib = 4, args.repeats or 3, 16
     else:
-        sel_sizes = [32768, 65536, 131072, 262144, 524288]
-        if mem_available_gb() > 6:
-            sel_sizes.append(1 << 20)
+        sel_sizes = [32768, 65536, 131072, 262144, 524288, 1 << 20]
         att_sizes = [4096, 8192, 16384, 32768]
         queries, repeats, calib = 12, args.repeats or 5, 32
+    if args.sizes is not None:
+        sel_sizes = args.sizes
+    if any(n < 1024 for n in sel_sizes):
+        print("error: --sizes must be >= 1024 rows", file=sys.stderr)
+        return 2
+    # Peak RSS measured 424 MB at 131,072 rows (~200 MB of it the interpreter): ~1.7 KB per row; ask for 2.5
+    need_gb = max(sel_sizes) * 2560 / 2**30
+    if mem_available_gb() and mem_available_gb() < need_gb:
+        print(f"error: {max(sel_sizes)} rows need ~{need_gb:.1f} GB, {mem_available_gb():.1f} GB available",
+              file=sys.stderr)
+        return 2
+    if args.no_attend:
+        att_sizes = []
     results = {"meta": {"threads": args.threads, "quick": args.quick, "torch": torch.__version__,
                         "python": platform.python_version(), "machine": platform.machine(),
                         "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(), "repeats": repeats,
@@ -260,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r[name + '_opened']:.0f} opened, err {r[name + '_median_rel_err']:.3f})"
                      for name in ("flat", "hier")]
             print(f"select {regime:8s} N={n:8d} M={r['clusters']:5d}  {parts[0]}  {parts[1]}  "
-                  f"flat/hier {r['flat_over_hier']:.2f}", flush=True)
+                  f"flat/hier {r['flat_over_hier']:.2f} time, "
+                  f"{r['flat_scored'] / max(r['hier_scored'], 1):.2f} scored", flush=True)
     for n in att_sizes:
         for regime in REGIMES:
             r = bench_attend(n, regime, queries, repeats, calib)

@@ -1,0 +1,276 @@
+"""SCSA quality on a real model (qwen2.5-0.5b): what the sparse arm changes, counted, not timed.
+
+Per context L (nested: one dense prefill of the book grows the cache from length to length):
+  * reference: the dense arm's greedy continuation from the L-token book prefix
+    (--calib + --steps + 1 tokens);
+  * calibration, once per packing: the sparse arm runs --calib steps teacher-forced on those
+    tokens (exact while calibrating, replaying every tau). Every tolerance is then picked from
+    the same recorded errors (``sparse_policy.retune``), so all arms start from one calibrated
+    state at context L + calib;
+  (a) tolerance sweep x packing: --steps teacher-forced steps; greedy agreement (sparse argmax ==
+      dense token) and the fraction of cached keys opened per layer call (opened_rows /
+      (calls * kv_heads * context), deterministic counters), per layer too;
+  (b) free-running (first packing, --tolerance): from the calibrated state each arm generates
+      --free tokens greedily; the dense model scores both continuations (teacher-forced, one
+      chunk): NLL delta = mean dense-judged NLL of the sparse continuation minus that of the
+      dense one; identical continuations and the first divergence;
+  (c) retrieval (passkey, multi-needle niah_multikey_1, variable tracking vt; lab/tasks.py):
+      L-token prompts, needle at L/2 tokens from the end, one exact prefill, then each arm
+      decodes greedily (sparse with the calibrated taus, preset); identical answers counted.
+
+    python benchmarks/scsa_quality.py --contexts 2048 --steps 16 --free 16 --samples 1   # quick check
+    python benchmarks/scsa_quality.py --contexts 4096 8192 16384 32768 --threads 2      # full
+
+Writes benchmarks/results/scsa_quality.json (updated after every context). Progress on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from longattn.cache import KVCache  # noqa: E402
+from longattn.checkpoint import load_checkpoint  # noqa: E402
+from longattn.data import all_books_text  # noqa: E402
+from longattn.lab import tasks as T  # noqa: E402
+from longattn.models import build_model  # noqa: E402
+from longattn.policy import AttentionPolicy  # noqa: E402
+from longattn.sparse import SCSAConfig  # noqa: E402
+from longattn.sparse_policy import build_sparse_policy, policy_taus, preset_taus, retune, sparse_ops  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RETRIEVAL_TASKS = ("passkey", "niah_multikey_1", "vt")
+
+
+class Progress:
+    """One status line on stderr: elapsed time, the stage, and steps done in it."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def __call__(self, msg: str) -> None:
+        print(f"\r[{time.perf_counter() - self.t0:7.0f} s] {msg:<100}", end="", file=sys.stderr, flush=True)
+
+    def done(self, msg: str) -> None:
+        self(msg)
+        print(file=sys.stderr, flush=True)
+
+
+def truncate(cache: KVCache, n: int) -> None:
+    for layer in cache.layers:
+        layer.truncate(n)
+    cache.next_pos = torch.full_like(cache.next_pos, n)
+
+
+def step(model, cache, policy, tok: int) -> torch.Tensor:
+    return model(torch.tensor([[tok]]), cache=cache, policy=policy, logits="all")[0, -1]
+
+
+def greedy(model, cache, policy, first: int, n: int, label: str, progress, stop=(), settle=None) -> list:
+    """Feed ``first``, then ``n - 1`` greedy tokens; returns the ``n`` tokens chosen after each feed
+    (fewer when a stop token comes or ``settle(tokens)`` says more cannot change the answer)."""
+    out, tok = [], first
+    for i in range(n):
+        tok = int(step(model, cache, policy, tok).argmax())
+        progress(f"{label} {i + 1}/{n}")
+        if tok in stop:
+            break
+        out.append(tok)
+        if settle is not None and settle(out):
+            break
+    return out
+
+
+def counters(policy) -> dict:
+    return {op.layer_index: dict(op.scsa.counters) for op in sparse_ops(policy) if op.scsa is not None}
+
+
+def opened_fraction(before: dict, after: dict, kv_heads: int, context_sum: int) -> dict:
+    """Per layer and overall: opened rows / (kv_heads * sum of cache lengths over the calls)."""
+    per = {li: (after[li]["opened_rows"] - before.get(li, {}).get("opened_rows", 0)) / (kv_heads * context_sum)
+           for li in after}
+    return {"overall": sum(per.values()) / len(per), "per_layer": per}
+
+
+def sparse_cfg(args, packing: str, calib: int) -> SCSAConfig:
+    return SCSAConfig(min_context=args.min_context, calib_steps=calib, tolerance=args.tolerance,
+                      packing=packing, calib_metric=args.metric, cluster_size=args.cluster_size)
+
+
+def nll(model, cache, policy, first: int, cont: list) -> float:
+    """Mean NLL of ``cont`` after feeding ``first`` under ``policy`` (teacher-forced, one chunk)."""
+    ids = torch.tensor([[first] + cont[:-1]])
+    logits = model(ids, cache=cache, policy=policy, logits="all")[0].float()
+    return float(torch.nn.functional.cross_entropy(logits, torch.tensor(cont)))
+
+
+def run_context(model, ck, ids, cache, L, args, dense_pol, progress) -> dict:
+    kv = ck.config.num_kv_heads
+    toks = [ids[L]] + greedy(model, cache, dense_pol, ids[L], args.calib + args.steps, f"L={L} dense reference",
+                             progress)
+    truncate(cache, L)
+    Lc = L + args.calib
+    ctx_sum = sum(Lc + i + 1 for i in range(args.steps))  # cache length seen by each timed call
+    row = {"context": L, "calib_steps": args.calib, "steps": args.steps, "sweep": [], "taus": {}}
+    free_pol = None
+    for packing in args.packings:
+        pol = build_sparse_policy(ck.config, sparse_cfg(args, packing, args.calib))
+        for i in range(args.calib):
+            step(model, cache, pol, toks[i])
+            progress(f"L={L} calibrate {packing} {i + 1}/{args.calib}")
+        for tol in args.tolerances:
+            taus = retune(pol, tol)
+            before = counters(pol)
+            agree = []
+            for i in range(args.steps):
+                j = args.calib + i
+                agree.append(int(step(model, cache, pol, toks[j]).argmax()) == toks[j + 1])
+                progress(f"L={L} {packing} tol {tol} {i + 1}/{args.steps} agree {sum(agree)}/{len(agree)}")
+            truncate(cache, Lc)
+            frac = opened_fraction(before, counters(pol), kv, ctx_sum)
+            flat = [t for li in sorted(taus) for t in taus[li]]
+            row["sweep"].append({"packing": packing, "tolerance": tol, "agreement": sum(agree) / len(agree),
+                                 "opened_fraction": frac["overall"],
+                                 "opened_fraction_per_layer": [frac["per_layer"][li] for li in sorted(frac["per_layer"])],
+                                 "tau_median": sorted(flat)[len(flat) // 2]})
+            row["taus"][f"{packing}@{tol}"] = taus
+            progress.done(f"L={L} {packing} tol {tol}: agreement {sum(agree)}/{len(agree)}, "
+                          f"opened {100 * frac['overall']:.1f}%")
+        if free_pol is None:
+            free_pol = pol
+        truncate(cache, L)
+    # (b) free-running from the calibrated state (cache at L + calib, first packing, --tolerance)
+    for i in range(args.calib):  # the calibration tokens, exact, to reach the calibrated state
+        step(model, cache, dense_pol, toks[i])
+    retune(free_pol, args.tolerance)
+    first = toks[args.calib]
+    conts = {}
+    for arm, pol in (("dense", dense_pol), ("sparse", free_pol)):
+        conts[arm] = greedy(model, cache, pol, first, args.free, f"L={L} free-running {arm}", progress)
+        truncate(cache, Lc)
+    judged = {}
+    for arm in conts:
+        judged[arm] = nll(model, cache, dense_pol, first, conts[arm])
+        truncate(cache, Lc)
+    a, b = conts["dense"], conts["sparse"]
+    div = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+    row["free_running"] = {"packing": args.packings[0], "tolerance": args.tolerance, "tokens": args.free,
+                           "identical": a == b, "first_divergence": div,
+                           "dense_nll": judged["dense"], "sparse_nll": judged["sparse"],
+                           "nll_delta": judged["sparse"] - judged["dense"],
+                           "dense_text": ck.tokenizer.decode(a), "sparse_text": ck.tokenizer.decode(b)}
+    progress.done(f"L={L} free-running: identical {a == b}, first divergence {div}, "
+                  f"NLL delta {judged['sparse'] - judged['dense']:+.4f}")
+    truncate(cache, L)
+    row["retrieval"] = retrieval(model, ck, L, args, policy_taus(free_pol), progress)
+    return row
+
+
+def retrieval(model, ck, L, args, taus, progress) -> dict:
+    tok = ck.tokenizer
+    encode = lambda s: tok(s)["input_ids"]  # noqa: E731
+    decode = lambda t: tok.decode(t, skip_special_tokens=True)  # noqa: E731
+    stop = set(ck.config.eos_token_ids)
+    dense_pol = AttentionPolicy.from_config(ck.config)
+    records = []
+    for task in args.tasks:
+        for s in range(args.samples):
+            smp = T.make_sample(task, encode, max(1, L // 2), L, args.seed + s)
+            pid = encode(smp.prompt)
+            cache = KVCache(ck.config, 1)
+            for c in range(0, len(pid) - 1, args.chunk):  # all but the last prompt token, exact
+                model(torch.tensor([pid[c:min(len(pid) - 1, c + args.chunk)]]), cache=cache, policy=dense_pol,
+                      logits="none")
+                progress(f"L={L} {task} #{s} prefill {min(len(pid) - 1, c + args.chunk)}/{len(pid)}")
+            n0 = len(pid) - 1
+            answers = {}
+            for arm in ("dense", "sparse"):
+                pol = dense_pol
+                if arm == "sparse":
+                    pol = build_sparse_policy(ck.config, sparse_cfg(args, args.packings[0], 0))
+                    preset_taus(pol, ck.config, taus)
+                # the last prompt token is a decode step of each arm (sparse from here on)
+                gen = greedy(model, cache, pol, pid[-1], smp.max_new_tokens, f"L={L} {task} #{s} {arm}",
+                             progress, stop, lambda out: T.settled(smp, decode(out)))
+                truncate(cache, n0)
+                answers[arm] = {"tokens": gen, "prediction": decode(gen), "score": T.score(smp, decode(gen))}
+            del cache
+            rec = {"task": task, "seed": args.seed + s, "prompt_tokens": len(pid),
+                   "needle_distance": smp.needle_distance, "outputs": smp.outputs,
+                   "identical": answers["dense"]["tokens"] == answers["sparse"]["tokens"],
+                   **{f"{arm}_{k}": v for arm in answers for k, v in answers[arm].items() if k != "tokens"}}
+            records.append(rec)
+            progress.done(f"L={L} {task} #{s}: identical {rec['identical']}, score dense {rec['dense_score']} "
+                          f"sparse {rec['sparse_score']}")
+    return {"identical": sum(r["identical"] for r in records), "prompts": len(records), "records": records}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-0.5b")
+    ap.add_argument("--contexts", nargs="+", type=int, default=[4096])
+    ap.add_argument("--steps", type=int, default=64, help="teacher-forced steps per sweep arm")
+    ap.add_argument("--calib", type=int, default=32, help="calibration steps")
+    ap.add_argument("--free", type=int, default=64, help="free-running tokens per arm")
+    ap.add_argument("--tolerances", nargs="+", type=float, default=[0.0125, 0.025, 0.05, 0.1])
+    ap.add_argument("--tolerance", type=float, default=0.025, help="for free-running and retrieval")
+    ap.add_argument("--packings", nargs="+", default=["q8_0", "f16"])
+    ap.add_argument("--metric", choices=["head", "group"], default="head", help="SCSAConfig.calib_metric")
+    ap.add_argument("--cluster-size", type=int, default=128)
+    ap.add_argument("--min-context", type=int, default=0)
+    ap.add_argument("--tasks", nargs="*", default=list(RETRIEVAL_TASKS))
+    ap.add_argument("--samples", type=int, default=2, help="retrieval prompts per task")
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(RESULTS / "scsa_quality.json"))
+    args = ap.parse_args()
+    if args.steps < 1 or args.calib < 1 or args.free < 1 or args.samples < 0 or args.threads < 1:
+        ap.error("--steps, --calib, --free, --threads must be >= 1 and --samples >= 0")
+    if args.tolerance not in args.tolerances:
+        ap.error("--tolerance must be one of --tolerances")
+    torch.set_num_threads(args.threads)
+    progress = Progress()
+    progress("loading model")
+    ck = load_checkpoint(args.model)
+    model = build_model(ck.config, ck.state_dict, dtype=torch.bfloat16)
+    ids = ck.tokenizer(all_books_text())["input_ids"]
+    dense_pol = AttentionPolicy.from_config(ck.config)
+    cache = KVCache(ck.config, 1)
+    out = {"model": args.model, "dtype": "bfloat16", "metric": args.metric, "cluster_size": args.cluster_size,
+           "tolerances": args.tolerances, "packings": args.packings, "min_context": args.min_context,
+           "opened_fraction_definition": "opened_rows / (calls * kv_heads * cache length), after calibration",
+           "rows": []}
+    filled = 0
+    with torch.inference_mode():
+        for L in sorted(args.contexts):
+            while filled < L:
+                e = min(L, filled + args.chunk)
+                model(torch.tensor([ids[filled:e]]), cache=cache, policy=dense_pol, logits="none")
+                filled = e
+                progress(f"prefill {filled}/{L}")
+            out["rows"].append(run_context(model, ck, ids, cache, L, args, dense_pol, progress))
+            RESULTS.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(out, indent=1))
+    for r in out["rows"]:
+        for s in r["sweep"]:
+            print(f"L={r['context']:>6} {s['packing']:5s} tol {s['tolerance']:<7} agreement "
+                  f"{100 * s['agreement']:5.1f}%  opened {100 * s['opened_fraction']:5.1f}%  tau median "
+                  f"{s['tau_median']:.3f}")
+        f = r["free_running"]
+        print(f"L={r['context']:>6} free-running {f['tokens']} tokens: identical {f['identical']}, "
+              f"NLL delta {f['nll_delta']:+.4f}; retrieval identical {r['retrieval']['identical']}/"
+              f"{r['retrieval']['prompts']}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
