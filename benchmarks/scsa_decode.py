@@ -74,6 +74,7 @@ def main():
     ap.add_argument("--sustained", type=int, default=600)
     ap.add_argument("--tolerance", type=float, default=0.025)
     ap.add_argument("--packing", default="q8_0")
+    ap.add_argument("--metric", choices=["head", "group"], default="head", help="SCSAConfig.calib_metric")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=1024)
@@ -101,7 +102,8 @@ def main():
         toks, d_times = run_dense(model, cache, dense_pol, first, steps)
         truncate(cache, L)
         sp_pol = build_sparse_policy(ck.config, SCSAConfig(min_context=0, calib_steps=args.calib,
-                                                           tolerance=args.tolerance, packing=args.packing))
+                                                           tolerance=args.tolerance, packing=args.packing,
+                                                           calib_metric=args.metric))
         agree, s_times = run_sparse(model, cache, sp_pol, toks, args.calib)
         truncate(cache, L)
         d = statistics.median(d_times[args.calib:])
@@ -122,7 +124,8 @@ def main():
         toks, d_times = run_dense(model, cache, dense_pol, first, args.sustained)
         truncate(cache, L)
         sp_pol = build_sparse_policy(ck.config, SCSAConfig(min_context=0, calib_steps=args.calib,
-                                                           tolerance=args.tolerance, packing=args.packing))
+                                                           tolerance=args.tolerance, packing=args.packing,
+                                                           calib_metric=args.metric))
         agree, s_times = run_sparse(model, cache, sp_pol, toks, args.calib)
         truncate(cache, L)
         reb = sum(op.scsa.counters["rebuilds"] for op in sparse_ops(sp_pol))
@@ -134,7 +137,7 @@ def main():
               f"{100 * sustained['agreement']:.1f}%, rebuilds {reb}", flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "packing": args.packing,
-           "tolerance": args.tolerance, "rows": rows, "sustained": sustained, "prefill_seconds": prefill_s}
+           "tolerance": args.tolerance, "metric": args.metric, "rows": rows, "sustained": sustained, "prefill_seconds": prefill_s}
     Path(args.out).write_text(json.dumps(out, indent=1))
     try:
         import matplotlib
