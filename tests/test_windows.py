@@ -73,6 +73,12 @@ def test_all_paths_agree(family, window, sinks):
     m64 = tiny_model(family, dtype=torch.float64)
     pol = AttentionPolicy.from_config(m.config) if window is None else \
         AttentionPolicy.build(m.config, "window", window=window, sinks=sinks)
+    assert_paths_agree(m, m64, pol)
+
+
+def assert_paths_agree(m, m64, pol):
+    """Chunked prefill and step decode within twice the full forward's error against the
+    float64 model ``m64`` (the plain reference error of this arithmetic)."""
     ids = _ids(2, seed=5)
     ref = m64(ids, policy=pol)
     full = run_path(m, pol, ids, "forward")
@@ -89,18 +95,24 @@ def test_streams_batched_equal_each_alone(family, window, sinks):
     m64 = tiny_model(family, dtype=torch.float64)
     pol = AttentionPolicy.from_config(m.config) if window is None else \
         AttentionPolicy.build(m.config, "window", window=window, sinks=sinks)
-    lens = [5, 17, 11]
-    prompts = [_ids(1, n, seed=10 + i)[0].tolist() for i, n in enumerate(lens)]
-    cont = [_ids(1, 6, seed=20 + i)[0] for i in range(3)]
-    s = Session(m, pol, batch=3)
+    assert_streams_agree(m, m64, pol, lens=[5, 17, 11], steps=6)
+
+
+def assert_streams_agree(m, m64, pol, lens, steps):
+    """Streams of ``lens`` prompt tokens prefilled (chunk 4) and decoded ``steps`` tokens
+    together stay within twice each stream's own full-forward error against ``m64``."""
+    n = len(lens)
+    prompts = [_ids(1, k, seed=10 + i)[0].tolist() for i, k in enumerate(lens)]
+    cont = [_ids(1, steps, seed=20 + i)[0] for i in range(n)]
+    s = Session(m, pol, batch=n)
     batched = [s.prefill(prompts, chunk=4)[:, 0]]
-    for t in range(6):
+    for t in range(steps):
         batched.append(s.step(torch.stack([c[t] for c in cont])))
-    batched = torch.stack(batched, 1)  # [3, 7, V]
-    for b in range(3):
+    batched = torch.stack(batched, 1)  # [n, steps + 1, V]
+    for b in range(n):
         full = torch.tensor([prompts[b] + cont[b].tolist()])
-        ref = m64(full, policy=pol)[0, lens[b] - 1: lens[b] + 6]
-        alone = m(full, policy=pol)[0, lens[b] - 1: lens[b] + 6]
+        ref = m64(full, policy=pol)[0, lens[b] - 1: lens[b] + steps]
+        alone = m(full, policy=pol)[0, lens[b] - 1: lens[b] + steps]
         tol = 2 * (alone.double() - ref).abs().max().item() + 1e-6
         err = (batched[b].double() - ref).abs().max().item()
         assert err <= tol, f"stream {b}: {err:.2e} > {tol:.2e}"

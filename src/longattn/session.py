@@ -50,7 +50,7 @@ class Session:
         if cache is None:
             from .cache.factory import make_cache
             # K/V are stored in the activation dtype: float32, or float64 for reference runs
-            act = torch.float64 if model.model.embed_tokens.weight.dtype == torch.float64 else torch.float32
+            act = model.activation_dtype
             cache = make_cache(self.cfg, self.policy, batch=batch, kind="auto", model=model, dtype=act)
         self.cache = cache
         self.batch = self.cache.batch

@@ -16,8 +16,11 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str = "smollm2-135
     p.add_argument("--model", default=default_model,
                    help="bundled model name (see `longattn models`), a .gguf file or an HF directory")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="weight dtype of the projection matrices (activations stay float32)")
+    p.add_argument("--weights", default="f32",
+                   help="weight format: f32, bf16, or int8 (per output row); activations stay float32")
+    # the first releases spelled it --dtype float32|bfloat16
+    p.add_argument("--dtype", dest="weights", help=argparse.SUPPRESS,
+                   type=lambda v: {"float32": "f32", "bfloat16": "bf16"}.get(v, v))
 
 
 def add_policy_args(p: argparse.ArgumentParser) -> None:
@@ -57,12 +60,13 @@ def policy_from_args(cfg, args):
 
 
 def load_model(args, progress: bool = True):
-    """(checkpoint, model) from --model / --dtype, with a one-line error on bad input."""
+    """(checkpoint, model) from --model / --weights, with a one-line error on bad input."""
     from ..checkpoint import load_checkpoint
     from ..models import build_model
+    from ..models.weights import parse_weights
+    weights = parse_weights(getattr(args, "weights", "f32"))  # before the slow load
     ck = load_checkpoint(args.model, progress=progress)
-    dtype = torch.bfloat16 if getattr(args, "dtype", "float32") == "bfloat16" else torch.float32
-    return ck, build_model(ck.config, ck.state_dict, dtype=dtype)
+    return ck, build_model(ck.config, ck.state_dict, weights=weights)
 
 
 def run_guarded(fn, args) -> int:

@@ -43,7 +43,7 @@ def run(args) -> int:
     res = quality_sweep(model, passages, args.windows, args.sinks, mode=args.mode, reindex=args.reindex,
                         chunk=args.chunk, progress=tick)
     bar.close()
-    res.update(model=ck.name, threads=args.threads, dtype=args.dtype, source="bundled books (longattn.data)")
+    res.update(model=ck.name, threads=args.threads, weights=args.weights, source="bundled books (longattn.data)")
     b = res["baseline"]
     print(f"{ck.name}: {args.passages} passages x {args.length} tokens, bits/token on positions "
           f"{args.length // 2}..{args.length - 1}; mode {res['mode']}{', re-indexed' if args.reindex else ''}")

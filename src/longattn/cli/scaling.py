@@ -49,7 +49,7 @@ def run(args) -> int:
     prefill = prefill_attention_times(args.prefill_contexts, args.window, cfg.num_heads, cfg.num_kv_heads,
                                       cfg.head_dim, args.sinks, args.prefill_repeats, progress=tick)
     bar.close()
-    res = {"experiment": "scaling", "model": name, "threads": torch.get_num_threads(), "dtype": args.dtype,
+    res = {"experiment": "scaling", "model": name, "threads": torch.get_num_threads(), "weights": args.weights,
            "decode": decode, "prefill": prefill}
     if decode:
         print(f"{name}: decode step (median of {args.repeats}), {res['threads']} threads, "

@@ -52,9 +52,8 @@ def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     The same arithmetic as the end of ``Transformer.forward``; used so the head runs only on
     the scored positions, a slice at a time (Gemma's 262K vocabulary makes full logits big).
     """
-    from ..models.transformer import _linear
     x = model.model.norm(hidden)
-    out = _linear(x, model.head_weight())
+    out = model.head(x)
     fc = model.config.final_softcap
     if fc:
         out = fc * torch.tanh(out / fc)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..errors import LongattnError
 from .rope import apply_rope, inv_freq, rope_cos_sin
+from .weights import dequantize_int8, int8_matmul, parse_weights, quantize_int8
 
 
 class RMSNorm(nn.Module):
@@ -52,13 +53,47 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> 
 
 
 class Linear(nn.Module):
+    """``y = x W^T + b`` with W in float32, bf16 or int8 (``to_int8``: per-row scales)."""
+
     def __init__(self, n_in: int, n_out: int, bias: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_out, n_in), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(n_out), requires_grad=False) if bias else None
+        self.register_buffer("qweight", None)  # int8 [N, K] once to_int8() ran (weight is None)
+
+    def to_int8(self) -> None:
+        q, scales = quantize_int8(self.weight.data)
+        self.weight = None
+        self.qweight = q
+        self.register_buffer("scales", scales)
+        self.register_buffer("scales_bf16", scales.to(torch.bfloat16))
+
+    def effective_weight(self, dtype=torch.float32) -> torch.Tensor:
+        """``[N, K]``: the matrix this layer multiplies by, in ``dtype``."""
+        if self.qweight is not None:
+            return dequantize_int8(self.qweight, self.scales, dtype)
+        return self.weight.to(dtype)
 
     def forward(self, x):
-        return _linear(x, self.weight, self.bias)
+        if self.qweight is None:
+            return _linear(x, self.weight, self.bias)
+        if x.numel() // x.shape[-1] >= WIDEN_ROWS:  # prefill: one dequantization, float GEMM
+            return F.linear(x, self.effective_weight(x.dtype), None if self.bias is None else
+                            self.bias.to(x.dtype))
+        y = int8_matmul(x, self.qweight, self.scales_bf16)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+class QuantEmbedding(nn.Module):
+    """Embedding lookup from an int8 Linear's rows (tied head and table share one copy)."""
+
+    def __init__(self, table: Linear):
+        super().__init__()
+        self.table = table
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids [B, T]`` -> ``[B, T, hidden]`` float32."""
+        return self.table.qweight[ids].float() * self.table.scales[ids][..., None]
 
 
 class MLP(nn.Module):
@@ -188,9 +223,31 @@ class Transformer(nn.Module):
         self.config = cfg
         self.model = _Inner(cfg)
         self.lm_head = None if cfg.tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False)
+        self.weights = "f32"  # the weight format (models.weights); set by build_model
+        self._tied_head = None  # int8 + tied embeddings: the shared int8 table as a Linear
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """float32, or float64 for reference models built in float64."""
+        emb = self.model.embed_tokens
+        return torch.float64 if getattr(emb, "weight", None) is not None and \
+            emb.weight.dtype == torch.float64 else torch.float32
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Output projection ``x [..., hidden]`` -> logits ``[..., vocab]`` (before softcap)."""
+        if self.lm_head is not None:
+            return self.lm_head(x)
+        if self._tied_head is not None:
+            return self._tied_head(x)
+        return _linear(x, self.model.embed_tokens.weight)
 
     def head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        """``[vocab, hidden]`` float matrix of the output head (dequantized for int8)."""
+        if self.lm_head is not None:
+            return self.lm_head.effective_weight(self.activation_dtype)
+        if self._tied_head is not None:
+            return self._tied_head.effective_weight()
+        return self.model.embed_tokens.weight
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, pos: torch.Tensor | None = None, cache=None, policy=None,
@@ -214,9 +271,7 @@ class Transformer(nn.Module):
         if policy is None:
             policy = AttentionPolicy.from_config(cfg)
         # activations stay float32 (or float64 in reference runs) whatever the weight dtype
-        emb = self.model.embed_tokens.weight
-        x = self.model.embed_tokens(ids.clamp(min=0)).to(torch.float64 if emb.dtype == torch.float64
-                                                           else torch.float32)
+        x = self.model.embed_tokens(ids.clamp(min=0)).to(self.activation_dtype)
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
         rope_cache: dict = {}
@@ -230,20 +285,27 @@ class Transformer(nn.Module):
             last = (pos >= 0).sum(dim=1) - 1  # [B]: rows are right-padded
             x = x[torch.arange(B), last.clamp(min=0)][:, None]
         x = self.model.norm(x)
-        out = _linear(x, self.head_weight())
+        out = self.head(x)
         if cfg.final_softcap:
             out = cfg.final_softcap * torch.tanh(out / cfg.final_softcap)
         return out
 
 
 def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype = torch.float32,
-                fuse: bool = True) -> Transformer:
+                fuse: bool = True, weights: str | None = None) -> Transformer:
     """Instantiate and load weights (strict: a missing or extra tensor is an error).
 
     ``dtype`` applies to the big matrices (projections, embeddings); norms stay float32.
+    ``weights`` ("f32", "bf16", "int8"; see models.weights) overrides ``dtype`` when given;
+    int8 quantizes every matrix per output row, the embedding table included.
     ``fuse`` concatenates q/k/v and gate/up projections after loading (fewer, larger
     matmuls: the decode step is dominated by per-call overhead and weight reads).
     """
+    if weights is None:
+        fmt = "bf16" if dtype == torch.bfloat16 else "f32"  # float64: an f32-format reference
+    else:
+        fmt = parse_weights(weights)
+        dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}[fmt]
     with torch.device("meta"):
         m = Transformer(cfg)
     m = m.to_empty(device="cpu")
@@ -271,5 +333,21 @@ def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype = torch.f
         for block in m.model.layers:
             block.self_attn.fuse()
             block.mlp.fuse()
+    if fmt == "int8":
+        _quantize_int8(m, cfg)
+    m.weights = fmt
     m.eval()
     return m
+
+
+def _quantize_int8(m: Transformer, cfg: ModelConfig) -> None:
+    """Every Linear and the embedding table to int8 (in place, after fusing)."""
+    for mod in list(m.modules()):
+        if isinstance(mod, Linear):
+            mod.to_int8()
+    table = Linear(cfg.hidden_size, cfg.vocab_size, False)
+    table.weight.data = m.model.embed_tokens.weight.data
+    table.to_int8()
+    m.model.embed_tokens = QuantEmbedding(table)
+    if m.lm_head is None:
+        m._tied_head = table
