@@ -27,6 +27,8 @@ def add_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk size (tokens)")
+    p.add_argument("--compile", action="store_true",
+                   help="decode with the fixed-shape step compiled by torch.compile (first step compiles)")
     add_policy_args(p)
     add_json_arg(p)
     p.set_defaults(func=run)
@@ -79,7 +81,13 @@ def run(args) -> int:
     ck, model = load_model(args)
     policy = policy_from_args(ck.config, args)
     ids = encode_prompt(ck.tokenizer, text, args.chat)
-    session = Session(model, policy)
+    if args.compile:
+        from ..static_decode import StaticDecoder
+        session = StaticDecoder(model, policy, max_len=len(ids) + max(args.max_new_tokens, 1), compile=True)
+        print(f"-- compiling the decode step ...", file=sys.stderr, flush=True)
+        print(f"-- compiled in {session.warmup():.1f} s", file=sys.stderr)
+    else:
+        session = Session(model, policy)
     streamer = TextStreamer(ck.tokenizer)
     if not args.json:
         sys.stdout.write(text if not args.chat else "")
@@ -92,7 +100,8 @@ def run(args) -> int:
     pps = res.prompt_tokens / res.prefill_seconds if res.prefill_seconds > 0 else float("nan")
     summary = {"model": ck.name, "prompt_tokens": res.prompt_tokens, "new_tokens": n,
                "prefill_tok_s": round(pps, 2), "decode_tok_s": round(tps, 2),
-               "cache_bytes": res.cache_bytes, "threads": args.threads,
+               "cache_bytes": res.cache_bytes, "threads": args.threads, "weights": model.weights,
+               "compiled": bool(args.compile),
                "text": ck.tokenizer.decode(res.tokens[0], skip_special_tokens=True)}
     print(f"-- {ck.name}: {res.prompt_tokens} prompt + {n} new tokens, prefill {pps:.1f} tok/s, "
           f"decode {tps:.1f} tok/s, cache {res.cache_bytes / 2**20:.2f} MiB", file=sys.stderr if args.json else sys.stdout)

@@ -1,0 +1,208 @@
+"""A fixed-shape decode step that ``torch.compile`` traces once.
+
+The eager decode path (``Session.step``) grows caches, picks attention kernels by looking at
+position values, and runs ~25 small PyTorch calls per layer, each paying Python and dispatch
+overhead. Here every layer's K/V lives in a buffer allocated up front:
+
+* full-attention layers: ``max_len`` slots, slot = absolute position;
+* windowed layers: ``sinks + window`` slots, slot = ``ring_slot(pos)`` (cache/ring.py);
+
+plus one "bin" slot per layer where padding tokens are written and which is never read
+(its position stays -1). A step writes K/V by index (``scatter_``) and attends over the whole
+buffer under ``allowed_mask`` built from the slot positions, so shapes never change and
+nothing branches on tensor values: one graph for the whole decode, no recompilation
+(tests/test_static_decode.py counts them).
+
+Prefill runs through an ordinary eager Session (chunked, banded where it pays) and its cache
+is then copied into the buffers. Attention over the buffer reads masked slots too, so a
+full-attention layer costs O(max_len) per step: size ``max_len`` to the job.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .cache.ring import ring_slot
+from .errors import LongattnError
+from .ops.dense import small_query_attention
+from .ops.masks import allowed_mask
+from .ops.reference import reference_attention
+from .policy import AttentionPolicy
+from .session import Session
+
+
+class StaticKV:
+    """Preallocated per-layer K/V buffers, written by index.
+
+    Args:
+        cfg: ModelConfig. policy: AttentionPolicy (only "window" kinds).
+        batch: streams. max_len: most positions a stream may reach (full-attention layers).
+        dtype: storage dtype.
+    Buffers: ``k[l], v[l]`` are ``[B, Hkv, S_l + 1, D]``, ``pos[l]`` is ``[B, S_l + 1]``
+    (-1 = empty); the last slot is the padding bin.
+    """
+
+    def __init__(self, cfg, policy: AttentionPolicy, batch: int, max_len: int, dtype=torch.float32):
+        self.batch, self.max_len = batch, max_len
+        self.rings: list = []  # per layer: (sinks, window) or None for slot = position
+        self.k, self.v, self.pos = [], [], []
+        for lp in policy.layers:
+            ring = lp.window is not None and lp.sinks + lp.window < max_len
+            cap = lp.sinks + lp.window if ring else max_len
+            self.rings.append((lp.sinks, lp.window) if ring else None)
+            self.k.append(torch.zeros(batch, cfg.num_kv_heads, cap + 1, cfg.head_dim, dtype=dtype))
+            self.v.append(torch.zeros_like(self.k[-1]))
+            self.pos.append(torch.full((batch, cap + 1), -1, dtype=torch.int64))
+
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in zip(self.k, self.v))
+
+    def _slots(self, layer: int, pos: torch.Tensor) -> torch.Tensor:
+        """``pos [B, T]`` -> slot indices ``[B, T]`` (padding -> the bin slot)."""
+        bin_slot = self.pos[layer].shape[1] - 1
+        ring = self.rings[layer]
+        slot = pos.clamp(min=0) if ring is None else ring_slot(pos.clamp(min=0), *ring)
+        return torch.where(pos < 0, torch.full_like(slot, bin_slot), slot)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
+        """Store ``k, v [B, Hkv, 1, D]`` at ``pos [B, 1]``; return the whole buffers."""
+        slot = self._slots(layer, pos)  # [B, 1]
+        B, H, T, D = k.shape
+        idx = slot[:, None, :, None].expand(B, H, T, D)
+        self.k[layer].scatter_(2, idx, k.to(self.k[layer].dtype))
+        self.v[layer].scatter_(2, idx, v.to(self.v[layer].dtype))
+        self.pos[layer].scatter_(1, slot, pos)
+        return self.k[layer], self.v[layer], self.pos[layer]
+
+    def advance(self, pos: torch.Tensor) -> None:
+        """The decoder tracks positions on the host; nothing to record here."""
+
+    def load(self, cache) -> None:
+        """Copy an eager KVCache (after prefill) into the buffers.
+
+        Ring layers keep, per stream, the sinks and the last ``window`` positions (what a ring
+        would hold); everything else is dropped before writing so no two tokens share a slot.
+        """
+        for layer, lc in enumerate(cache.layers):
+            k, v, pos = lc.view()  # [B, Hkv, N, D], [B, N]
+            self.k[layer].zero_()
+            self.v[layer].zero_()
+            self.pos[layer].fill_(-1)
+            ring = self.rings[layer]
+            for b in range(self.batch):
+                p = pos[b]
+                keep = p >= 0
+                if ring is not None:
+                    sinks, window = ring
+                    last = int(p.max()) if bool(keep.any()) else -1
+                    keep &= (p < sinks) | (p > last - window)
+                elif bool(keep.any()) and int(p[keep].max()) >= self.max_len:
+                    raise LongattnError(f"prompt reaches position {int(p[keep].max())}; "
+                                        f"the static decoder holds {self.max_len} (raise max_len)")
+                idx = keep.nonzero().squeeze(1)
+                slots = self._slots(layer, p[idx][None])[0]
+                self.k[layer][b, :, slots] = k[b, :, idx].to(self.k[layer].dtype)
+                self.v[layer][b, :, slots] = v[b, :, idx].to(self.v[layer].dtype)
+                self.pos[layer][b, slots] = p[idx]
+
+
+class _StaticOp:
+    """Decode attention over a whole static buffer: mask from slot positions, no branching."""
+
+    def __init__(self, window: Optional[int], sinks: int):
+        self.window, self.sinks = window, sinks
+
+    def __call__(self, q, q_pos, k, v, k_pos, scale, softcap=None, layer=0, cache=None):
+        mask = allowed_mask(q_pos, k_pos, self.window, self.sinks)  # [B, 1, 1, S]
+        if softcap is not None:
+            return reference_attention(q, k, v, mask, scale, softcap)
+        return small_query_attention(q, k, v, mask, scale)
+
+
+class _StaticPolicy:
+    def __init__(self, policy: AttentionPolicy):
+        self.ops = [_StaticOp(lp.window, lp.sinks) for lp in policy.layers]
+
+    def op(self, i: int):
+        return self.ops[i]
+
+
+class StaticDecoder:
+    """Prefill eagerly, then decode with a fixed-shape (optionally compiled) step.
+
+    Args:
+        model: a Transformer (any weight format).
+        policy: AttentionPolicy of "window" layers (dense, windows, sinks; default the
+            checkpoint's windows). Sparse layers and re-indexing need the eager Session.
+        batch: streams. max_len: positions a stream may reach (prompt + new tokens).
+        compile: ``torch.compile`` the step (inductor, static shapes, one graph).
+    """
+
+    def __init__(self, model, policy: Optional[AttentionPolicy] = None, batch: int = 1,
+                 max_len: int = 4096, compile: bool = True):
+        self.model = model
+        self.policy = policy or AttentionPolicy.from_config(model.config)
+        bad = sorted({lp.kind for lp in self.policy.layers} - {"window"})
+        if bad:
+            raise LongattnError(f"the static decoder runs window/dense layers only, not {bad}; "
+                                "use the eager Session for these")
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+            raise LongattnError(f"max_len must be a positive integer, got {max_len!r}")
+        self.session = Session(model, self.policy, batch=batch)
+        self.batch, self.max_len = batch, max_len
+        self.kv = StaticKV(model.config, self.policy, batch, max_len, dtype=model.activation_dtype)
+        self._policy = _StaticPolicy(self.policy)
+        self.next_pos = torch.zeros(batch, dtype=torch.int64)
+        self.compiled = compile
+        self._step = torch.compile(self._step_eager, dynamic=False, fullgraph=True) if compile \
+            else self._step_eager
+
+    def _step_eager(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        # Transformer.forward without its inference_mode wrapper: dynamo cannot trace
+        # inference tensors, so the static path runs under no_grad with ordinary tensors.
+        forward = type(self.model).forward.__wrapped__
+        return forward(self.model, tokens[:, None], pos, cache=self.kv, policy=self._policy,
+                       logits="all")[:, 0]
+
+    def prefill(self, prompts, chunk: int = 512, logits: str = "last") -> torch.Tensor:
+        """Eager chunked prefill (see Session.prefill), then fill the static buffers."""
+        out = self.session.prefill(prompts, chunk=chunk, logits=logits)
+        with torch.no_grad():
+            self.kv.load(self.session.cache)
+        self.next_pos = torch.tensor(self.session.cache.next_pos.tolist(), dtype=torch.int64)
+        return out
+
+    @torch.no_grad()
+    def warmup(self) -> float:
+        """Compile (or just run) the step once on padding-only input; returns its seconds.
+
+        Every stream is inactive, so only the bin slots are written and no state changes.
+        """
+        import time
+        t0 = time.perf_counter()
+        self._step(torch.zeros(self.batch, dtype=torch.int64),
+                   torch.full((self.batch, 1), -1, dtype=torch.int64))
+        return time.perf_counter() - t0
+
+    @property
+    def cache(self) -> StaticKV:
+        return self.kv
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, active: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Decode one token per stream: ``tokens [B]`` int64 -> logits ``[B, V]``.
+
+        ``active [B]`` bool: inactive streams write the bin slot, keep their position, and
+        their logits are junk (as in Session.step).
+        """
+        live = torch.ones(self.batch, dtype=torch.bool) if active is None else \
+            torch.tensor(active.tolist(), dtype=torch.bool)
+        if int(self.next_pos[live].max()) >= self.max_len and any(r is None for r in self.kv.rings):
+            raise LongattnError(f"the static decoder is full at {self.max_len} positions (raise max_len)")
+        tokens = torch.tensor(tokens.tolist(), dtype=torch.int64)  # an ordinary (non-inference) tensor
+        pos = torch.where(live, self.next_pos, torch.full_like(self.next_pos, -1))[:, None]
+        out = self._step(tokens, pos)
+        self.next_pos = self.next_pos + live.long()
+        return out
