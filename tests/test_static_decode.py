@@ -35,6 +35,13 @@ def decode_logits(dec, ids, n_prompt):
     return torch.stack(out, 1)
 
 
+def reference_and_tol(m, m64, pol, ids, n):
+    """Float64 logits from position n-1 on, and twice the full forward's error against them."""
+    ref = m64(ids, policy=pol)[:, n - 1:]
+    full = m(ids, policy=pol)[:, n - 1:]
+    return ref, 2 * (full.double() - ref).abs().max().item() + 1e-6
+
+
 CASES = [("llama", 5, 2, "f32", False), ("llama", 5, 2, "int8", False), ("gemma3", None, 0, "bf16", False),
          ("qwen3", 3, 0, "int8", False), ("qwen2", None, 0, "f32", False),
          ("llama", 5, 2, "int8", True), ("gemma3", None, 0, "f32", True)]
@@ -47,9 +54,7 @@ def test_static_decode_agrees_with_reference(monkeypatch, family, window, sinks,
     pol = policy_for(m.config, window, sinks)
     ids = _ids(2, T=24, seed=3)
     n = 6  # 18 decode steps: rings of 5 or 8 slots wrap more than once
-    ref = m64(ids, policy=pol)[:, n - 1:]
-    full = m(ids, policy=pol)[:, n - 1:]
-    tol = 2 * (full.double() - ref).abs().max().item() + 1e-6
+    ref, tol = reference_and_tol(m, m64, pol, ids, n)
     if compiled:
         from torch._dynamo.utils import counters
         torch._dynamo.reset()
@@ -114,3 +119,19 @@ def test_warmup_leaves_no_trace():
     warm = StaticDecoder(m, pol, max_len=16, compile=False)
     assert warm.warmup() > 0
     assert torch.equal(decode_logits(cold, ids, 4), decode_logits(warm, ids, 4))
+
+
+def test_dynamic_decoder_reuses_its_graph_across_lengths():
+    """reset(max_len) with dynamic=True: a second length runs the same graph (no recompile),
+    and the results still agree with the float64 reference."""
+    torch._dynamo.reset()
+    m, m64 = tiny("llama", "f32")
+    pol = policy_for(m.config, None, 0)
+    dec = StaticDecoder(m, pol, max_len=16, compile=True, dynamic=True)
+    ids = _ids(1, T=12, seed=11)
+    decode_logits(dec, ids, 4)
+    dec.reset(24)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = decode_logits(dec, ids, 4)
+    ref, tol = reference_and_tol(m, m64, pol, ids, 4)
+    assert (out.double() - ref).abs().max().item() <= tol

@@ -138,26 +138,40 @@ class StaticDecoder:
             checkpoint's windows). Sparse layers and re-indexing need the eager Session.
         batch: streams. max_len: positions a stream may reach (prompt + new tokens).
         compile: ``torch.compile`` the step (inductor, static shapes, one graph).
+        dynamic: compile the full-attention buffers' length as a symbol, so ``reset`` to
+            another ``max_len`` reuses the graph instead of compiling a new one.
     """
 
     def __init__(self, model, policy: Optional[AttentionPolicy] = None, batch: int = 1,
-                 max_len: int = 4096, compile: bool = True):
+                 max_len: int = 4096, compile: bool = True, dynamic: bool = False):
         self.model = model
         self.policy = policy or AttentionPolicy.from_config(model.config)
         bad = sorted({lp.kind for lp in self.policy.layers} - {"window"})
         if bad:
             raise LongattnError(f"the static decoder runs window/dense layers only, not {bad}; "
                                 "use the eager Session for these")
-        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
-            raise LongattnError(f"max_len must be a positive integer, got {max_len!r}")
-        self.session = Session(model, self.policy, batch=batch)
-        self.batch, self.max_len = batch, max_len
-        self.kv = StaticKV(model.config, self.policy, batch, max_len, dtype=model.activation_dtype)
+        self.batch, self.dynamic = batch, dynamic
         self._policy = _StaticPolicy(self.policy)
-        self.next_pos = torch.zeros(batch, dtype=torch.int64)
         self.compiled = compile
         self._step = torch.compile(self._step_eager, dynamic=False, fullgraph=True) if compile \
             else self._step_eager
+        self.reset(max_len)
+
+    def reset(self, max_len: Optional[int] = None) -> None:
+        """Forget every stream (new buffers of ``max_len`` positions, default the current)."""
+        max_len = self.max_len if max_len is None else max_len
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+            raise LongattnError(f"max_len must be a positive integer, got {max_len!r}")
+        self.max_len = max_len
+        self.session = Session(self.model, self.policy, batch=self.batch)
+        self.kv = StaticKV(self.model.config, self.policy, self.batch, max_len,
+                           dtype=self.model.activation_dtype)
+        if self.dynamic:
+            for layer, ring in enumerate(self.kv.rings):
+                if ring is None:
+                    for t, dim in ((self.kv.k[layer], 2), (self.kv.v[layer], 2), (self.kv.pos[layer], 1)):
+                        torch._dynamo.mark_dynamic(t, dim)
+        self.next_pos = torch.zeros(self.batch, dtype=torch.int64)
 
     def _step_eager(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         # Transformer.forward without its inference_mode wrapper: dynamo cannot trace
@@ -169,10 +183,14 @@ class StaticDecoder:
     def prefill(self, prompts, chunk: int = 512, logits: str = "last") -> torch.Tensor:
         """Eager chunked prefill (see Session.prefill), then fill the static buffers."""
         out = self.session.prefill(prompts, chunk=chunk, logits=logits)
-        with torch.no_grad():
-            self.kv.load(self.session.cache)
-        self.next_pos = torch.tensor(self.session.cache.next_pos.tolist(), dtype=torch.int64)
+        self.load_cache(self.session.cache)
         return out
+
+    def load_cache(self, cache) -> None:
+        """Continue from an eager KVCache (e.g. one prefilled elsewhere)."""
+        with torch.no_grad():
+            self.kv.load(cache)
+        self.next_pos = torch.tensor(cache.next_pos.tolist(), dtype=torch.int64)
 
     @torch.no_grad()
     def warmup(self) -> float:
