@@ -12,10 +12,20 @@ import torch
 from ..errors import LongattnError
 
 
+def default_threads() -> int:
+    """CPUs this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
 def add_model_args(p: argparse.ArgumentParser, default_model: str = "smollm2-135m") -> None:
     p.add_argument("--model", default=default_model,
                    help="bundled model name (see `longattn models`), a .gguf file or an HF directory")
-    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument("--threads", type=int, default=default_threads(),
+                   help="torch intra-op threads (default: the CPUs this process may use); several "
+                        "streams share one pool, so do not start one process per stream")
     p.add_argument("--weights", default="f32",
                    help="weight format: f32, bf16, or int8 (per output row); activations stay float32")
     # the first releases spelled it --dtype float32|bfloat16
