@@ -24,7 +24,7 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str = "smollm2-135
     p.add_argument("--model", default=default_model,
                    help="bundled model name (see `longattn models`), a .gguf file or an HF directory")
     p.add_argument("--threads", type=int, default=default_threads(),
-                   help="torch intra-op threads (default: the CPUs this process may use); several "
+                   help="torch intra-op threads (the CPUs this process may use); several "
                         "streams share one pool, so do not start one process per stream")
     p.add_argument("--weights", default="f32",
                    help="weight format: f32, bf16, or int8 (per output row); activations stay float32")
