@@ -126,3 +126,24 @@ def test_int8_costs_under_two_hundredths_of_a_bit_on_a_book():
         bits[w] = -lp.gather(1, ids[0, 1:, None]).mean().item() / torch.log(torch.tensor(2.0)).item()
     print(f"bits/token f32 {bits['f32']:.4f} int8 {bits['int8']:.4f}")
     assert abs(bits["int8"] - bits["f32"]) <= 0.02
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_prefill_widening_in_blocks_matches_the_float_matrix(monkeypatch, weights):
+    """Prefill-sized inputs widen bf16/int8 weights block by block; against float64 on the
+    same effective weights the result is within twice the error of one float32 F.linear."""
+    monkeypatch.setattr(transformer, "WIDEN_BLOCK", 16)
+    g = torch.Generator().manual_seed(1)
+    lin = transformer.Linear(40, 70, bias=True)  # 70 rows: 4 full blocks and a partial one
+    lin.weight.data = torch.randn(70, 40, generator=g)
+    lin.bias.data = torch.randn(70, generator=g)
+    if weights == "int8":
+        lin.to_int8()
+    else:
+        lin.weight.data = lin.weight.data.to(torch.bfloat16)
+    x = torch.randn(transformer.WIDEN_ROWS + 3, 40, generator=g)
+    w = lin.effective_weight()
+    ref = x.double() @ w.double().T + lin.bias.double()
+    plain = torch.nn.functional.linear(x, w, lin.bias)
+    tol = 2 * (plain.double() - ref).abs().max().item() + 1e-12
+    assert (lin(x).double() - ref).abs().max().item() <= tol
