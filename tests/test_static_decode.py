@@ -135,3 +135,15 @@ def test_dynamic_decoder_reuses_its_graph_across_lengths():
         out = decode_logits(dec, ids, 4)
     ref, tol = reference_and_tol(m, m64, pol, ids, 4)
     assert (out.double() - ref).abs().max().item() <= tol
+
+
+def test_many_decoders_each_get_their_graph(monkeypatch):
+    """Dynamo's compiled-variant limit is per code object, shared by every decoder in the
+    process: more decoders than its default of 8 must still compile, not fail."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)  # reach the limit quickly
+    m, _ = tiny("llama", "f32")
+    for n in range(3):
+        dec = StaticDecoder(m, policy_for(m.config, 3 + n, 0), max_len=12, compile=True)
+        dec.prefill([[1, 2, 3]])
+        dec.step(torch.tensor([4]))

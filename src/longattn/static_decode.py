@@ -8,10 +8,12 @@ overhead. Here every layer's K/V lives in a buffer allocated up front:
 * windowed layers: ``sinks + window`` slots, slot = ``ring_slot(pos)`` (cache/ring.py);
 
 plus one "bin" slot per layer where padding tokens are written and which is never read
-(its position stays -1). A step writes K/V by index (``scatter_``) and attends over the whole
-buffer under ``allowed_mask`` built from the slot positions, so shapes never change and
-nothing branches on tensor values: one graph for the whole decode, no recompilation
-(tests/test_static_decode.py counts them).
+(its position stays -1). The compiled step reads the buffers and never writes them: each
+layer attends over its whole buffer under ``allowed_mask`` (built from the slot positions)
+plus the step's own new key, in one softmax, and returns the new keys; they are written by
+index (``scatter_``) after the step. (Written inside the graph, inductor copied every buffer
+whole on every step.) Shapes never change and nothing branches on tensor values: one graph
+for the whole decode, no recompilation (tests/test_static_decode.py counts them).
 
 Prefill runs through an ordinary eager Session (chunked, banded where it pays) and its cache
 is then copied into the buffers. Attention over the buffer reads masked slots too, so a
@@ -26,11 +28,12 @@ import torch
 
 from .cache.ring import ring_slot
 from .errors import LongattnError
-from .ops.dense import small_query_attention
 from .ops.masks import allowed_mask
-from .ops.reference import reference_attention
 from .policy import AttentionPolicy
 from .session import Session
+
+
+RECOMPILE_LIMIT = 256
 
 
 class StaticKV:
@@ -48,6 +51,7 @@ class StaticKV:
         self.batch, self.max_len = batch, max_len
         self.rings: list = []  # per layer: (sinks, window) or None for slot = position
         self.k, self.v, self.pos = [], [], []
+        self.pending: dict = {}  # layer -> (k, v) of the step being traced/run
         for lp in policy.layers:
             ring = lp.window is not None and lp.sinks + lp.window < max_len
             cap = lp.sinks + lp.window if ring else max_len
@@ -67,14 +71,22 @@ class StaticKV:
         return torch.where(pos < 0, torch.full_like(slot, bin_slot), slot)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
-        """Store ``k, v [B, Hkv, 1, D]`` at ``pos [B, 1]``; return the whole buffers."""
-        slot = self._slots(layer, pos)  # [B, 1]
-        B, H, T, D = k.shape
-        idx = slot[:, None, :, None].expand(B, H, T, D)
-        self.k[layer].scatter_(2, idx, k.to(self.k[layer].dtype))
-        self.v[layer].scatter_(2, idx, v.to(self.v[layer].dtype))
-        self.pos[layer].scatter_(1, slot, pos)
+        """Hold the step's ``k, v [B, Hkv, 1, D]`` aside (``pending``) and return the buffers
+        as they were: the step attends over them plus its own key (see _StaticOp), and
+        ``write`` stores the new keys after the step. Writing inside a compiled graph would
+        make inductor copy every whole buffer on every step (functionalized scatter)."""
+        self.pending[layer] = (k, v)
         return self.k[layer], self.v[layer], self.pos[layer]
+
+    def write(self, pending: list, pos: torch.Tensor) -> None:
+        """Store each layer's ``(k, v)`` of one step at ``pos [B, 1]`` (padding -> bin slot)."""
+        for layer, (k, v) in enumerate(pending):
+            slot = self._slots(layer, pos)  # [B, 1]
+            B, H, T, D = k.shape
+            idx = slot[:, None, :, None].expand(B, H, T, D)
+            self.k[layer].scatter_(2, idx, k.to(self.k[layer].dtype))
+            self.v[layer].scatter_(2, idx, v.to(self.v[layer].dtype))
+            self.pos[layer].scatter_(1, slot, pos)
 
     def advance(self, pos: torch.Tensor) -> None:
         """The decoder tracks positions on the host; nothing to record here."""
@@ -116,9 +128,36 @@ class _StaticOp:
 
     def __call__(self, q, q_pos, k, v, k_pos, scale, softcap=None, layer=0, cache=None):
         mask = allowed_mask(q_pos, k_pos, self.window, self.sinks)  # [B, 1, 1, S]
-        if softcap is not None:
-            return reference_attention(q, k, v, mask, scale, softcap)
-        return small_query_attention(q, k, v, mask, scale)
+        k_new, v_new = cache.pending[layer]
+        return attend_buffer_and_self(q, k, v, mask, k_new, v_new, q_pos >= 0, scale, softcap)
+
+
+def attend_buffer_and_self(q, k, v, mask, k_new, v_new, self_ok, scale, softcap=None):
+    """One decode query over a read-only buffer plus its own new key, in one softmax.
+
+    Args:
+        q: ``[B, H, 1, D]``; k, v: ``[B, Hkv, S, D]`` buffers; mask: ``[B, 1, 1, S]`` bool.
+        k_new, v_new: ``[B, Hkv, 1, D]`` the step's own key and value.
+        self_ok: ``[B, 1]`` bool, False for padding queries (which then output zeros).
+    Returns:
+        ``[B, H, 1, D]``, equal to attention over the buffer with the new key written into it.
+    """
+    B, H, _, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    qg = q.reshape(B, Hkv, H // Hkv, D)
+    s = torch.matmul(qg, k.transpose(-1, -2)) * scale           # [B, Hkv, rep, S]
+    sn = (qg * k_new.to(qg.dtype)).sum(-1, keepdim=True) * scale  # [B, Hkv, rep, 1]
+    if softcap is not None:
+        s, sn = softcap * torch.tanh(s / softcap), softcap * torch.tanh(sn / softcap)
+    s = s.masked_fill(~mask.view(B, 1, 1, S), float("-inf"))
+    sn = sn.masked_fill(~self_ok.view(B, 1, 1, 1), float("-inf"))
+    m = torch.maximum(s.amax(-1, keepdim=True), sn)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows with nothing to read
+    p, pn = torch.exp(s - m), torch.exp(sn - m)
+    den = p.sum(-1, keepdim=True) + pn
+    num = torch.matmul(p, v) + pn * v_new.to(p.dtype)             # [B, Hkv, rep, D]
+    out = torch.where(den > 0, num / den.clamp(min=torch.finfo(den.dtype).tiny), torch.zeros_like(num))
+    return out.reshape(B, H, 1, D)
 
 
 class _StaticPolicy:
@@ -153,8 +192,8 @@ class StaticDecoder:
         self.batch, self.dynamic = batch, dynamic
         self._policy = _StaticPolicy(self.policy)
         self.compiled = compile
-        self._step = torch.compile(self._step_eager, dynamic=False, fullgraph=True) if compile \
-            else self._step_eager
+        self._compiled = torch.compile(self._step_eager, dynamic=False, fullgraph=True) if compile \
+            else None
         self.reset(max_len)
 
     def reset(self, max_len: Optional[int] = None) -> None:
@@ -173,12 +212,29 @@ class StaticDecoder:
                         torch._dynamo.mark_dynamic(t, dim)
         self.next_pos = torch.zeros(self.batch, dtype=torch.int64)
 
+    def _step(self, tokens: torch.Tensor, pos: torch.Tensor):
+        """-> (logits ``[B, V]``, per layer ``(k, v)`` of this step, not yet written)."""
+        try:
+            return self._run(tokens, pos)
+        finally:
+            self.kv.pending.clear()  # every call starts from the same (traced) state
+
+    def _run(self, tokens: torch.Tensor, pos: torch.Tensor):
+        if self._compiled is None:
+            return self._step_eager(tokens, pos)
+        # dynamo counts compiled variants per code object, across every decoder in the
+        # process (each model, policy and buffer length is one); its default limit of 8
+        # would make the ninth decoder fail (fullgraph) instead of compiling its own graph.
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            return self._compiled(tokens, pos)
+
     def _step_eager(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         # Transformer.forward without its inference_mode wrapper: dynamo cannot trace
         # inference tensors, so the static path runs under no_grad with ordinary tensors.
         forward = type(self.model).forward.__wrapped__
-        return forward(self.model, tokens[:, None], pos, cache=self.kv, policy=self._policy,
-                       logits="all")[:, 0]
+        logits = forward(self.model, tokens[:, None], pos, cache=self.kv, policy=self._policy,
+                         logits="all")[:, 0]
+        return logits, [self.kv.pending[i] for i in range(len(self.kv.k))]
 
     def prefill(self, prompts, chunk: int = 512, logits: str = "last") -> torch.Tensor:
         """Eager chunked prefill (see Session.prefill), then fill the static buffers."""
@@ -196,12 +252,12 @@ class StaticDecoder:
     def warmup(self) -> float:
         """Compile (or just run) the step once on padding-only input; returns its seconds.
 
-        Every stream is inactive, so only the bin slots are written and no state changes.
+        Every stream is inactive and the step's keys are discarded: no state changes.
         """
         import time
         t0 = time.perf_counter()
         self._step(torch.zeros(self.batch, dtype=torch.int64),
-                   torch.full((self.batch, 1), -1, dtype=torch.int64))
+                   torch.full((self.batch, 1), -1, dtype=torch.int64))  # nothing written
         return time.perf_counter() - t0
 
     @property
@@ -221,6 +277,7 @@ class StaticDecoder:
             raise LongattnError(f"the static decoder is full at {self.max_len} positions (raise max_len)")
         tokens = torch.tensor(tokens.tolist(), dtype=torch.int64)  # an ordinary (non-inference) tensor
         pos = torch.where(live, self.next_pos, torch.full_like(self.next_pos, -1))[:, None]
-        out = self._step(tokens, pos)
+        out, pending = self._step(tokens, pos)
+        self.kv.write(pending, pos)
         self.next_pos = self.next_pos + live.long()
         return out
