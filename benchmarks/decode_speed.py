@@ -1,16 +1,34 @@
-"""Decode and prefill speed: longattn vs transformers (and llama.cpp when installed).
+"""Decode and prefill speed grid: longattn (weight formats x eager/compiled x policies) against
+transformers and llama.cpp (when ``llama-cpp-python`` is installed), with a roofline column.
 
-Same weights, same thread count, arms alternated in one run, medians of repeats, ratios.
-Prompts of 128 and 2,048 tokens from a bundled book; decode = greedy steps after prefill.
+For each model and context T (book tokens):
+  * one f32 prefill per policy builds the cache every longattn arm decodes from (a deep copy
+    each time; decode cost depends on the cache's size, not its values); its time is the
+    longattn-f32 prefill figure, and at T <= --prefill-max the other formats prefill too;
+  * decode arms, alternated inside every repeat, medians of per-step times:
+      eager-{f32,bf16,int8}  Session.step
+      compiled-{bf16,int8}   StaticDecoder (torch.compile, dynamic buffer length: one graph
+                             per model and policy, compiled before timing, compile time reported)
+      sparse-{bf16,int8}     SCSA on every layer after its 32 calibration steps (qwen only,
+                             T >= 8192; eager)
+  * policies: "dense" = the checkpoint's attention (Gemma 3: its trained 512-token local
+    windows); "window" = window 1,024 + 4 sinks on the layers the checkpoint leaves global;
+  * transformers f32 (its own prefill) at T <= --hf-max; llama.cpp on the same GGUF file
+    and thread count at every T.
+Roofline: bytes one decode step must read (every weight matrix in its stored format; the K/V
+that the policy lets the step read, in float32) / step time, against this machine's memory
+bandwidth, measured here by summing a 1 GiB tensor (``--bandwidth`` to override).
 
-    python benchmarks/decode_speed.py --threads 2 [--models smollm2-135m ...] [--quick]
+    python benchmarks/decode_speed.py --threads 2                 # full grid (~40 min)
+    python benchmarks/decode_speed.py --quick                     # smollm2, T=128, no compile
 
-Writes benchmarks/results/decode_speed.json. Do not run beside tests or builds.
+Writes benchmarks/results/decode_speed.json and .png. Never run it beside tests or builds.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -24,135 +42,280 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from longattn.checkpoint import load_checkpoint  # noqa: E402
-from longattn.checkpoint.oracle import oracle_model  # noqa: E402
-from longattn.data import book_body  # noqa: E402
+from longattn.data import all_books_text  # noqa: E402
 from longattn.models import build_model  # noqa: E402
+from longattn.policy import AttentionPolicy  # noqa: E402
 from longattn.session import Session  # noqa: E402
+from longattn.static_decode import StaticDecoder  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-BANDWIDTH = 12.6e9  # measured memory read bandwidth of this machine (DESIGN.md)
+WINDOW, SINKS = 1024, 4
 
 
-def time_longattn(model, ids, steps):
-    s = Session(model)
-    t0 = time.perf_counter()
-    logits = s.prefill([ids], chunk=0)[:, 0]
-    t1 = time.perf_counter()
-    tok = logits.argmax(-1)
+def measure_bandwidth(mb: int = 1024, repeats: int = 7) -> float:
+    """Read bandwidth in bytes/s: a sum over a tensor far larger than the caches (a decode
+    step mostly reads), with the current threads; the best of ``repeats``."""
+    a = torch.ones(mb * 2**20 // 4)
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a.sum()
+        ts.append(time.perf_counter() - t0)
+    return a.nbytes / min(ts)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every matrix in its stored format (the head
+    reads the whole table; an untied embedding only a row, left out)."""
+    n = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if "inv_freq" in name or name.endswith("scales_bf16"):
+            continue
+        if model.lm_head is not None and "embed_tokens" in name:
+            continue
+        n += t.numel() * t.element_size()
+    return n
+
+
+def read_kv_bytes(cfg, policy, T: int) -> int:
+    """K and V (float32) that a step at position T may read under ``policy``."""
+    per_tok = 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    return sum(per_tok * (T + 1 if lp.window is None else min(T + 1, lp.window + lp.sinks))
+               for lp in policy.layers)
+
+
+def policies(cfg, T: int, names) -> dict:
+    out = {"dense": AttentionPolicy.from_config(cfg)}
+    if T > WINDOW:
+        out["window"] = AttentionPolicy.build(cfg, "global", window=WINDOW, sinks=SINKS)
+    return {k: v for k, v in out.items() if k in names}
+
+
+def time_steps(step, first, steps: int) -> list:
+    """Per-step seconds of ``steps`` greedy steps starting from token ``first``."""
+    tok, ts = first, []
     for _ in range(steps):
-        tok = s.step(tok).argmax(-1)
-    t2 = time.perf_counter()
-    return t1 - t0, (t2 - t1) / steps, s.cache.nbytes()
+        t0 = time.perf_counter()
+        tok = step(tok).argmax(-1)
+        ts.append(time.perf_counter() - t0)
+    return ts
 
 
 @torch.inference_mode()
 def time_hf(hf, ids, steps):
     from transformers import DynamicCache
     x = torch.tensor([ids])
-    cache = DynamicCache(config=hf.config)
     t0 = time.perf_counter()
-    out = hf(x, past_key_values=cache, use_cache=True)
-    t1 = time.perf_counter()
-    tok = out.logits[:, -1].argmax(-1, keepdim=True)
+    out = hf(x, past_key_values=DynamicCache(config=hf.config), use_cache=True)
+    prefill = time.perf_counter() - t0
+    tok, ts = out.logits[:, -1].argmax(-1, keepdim=True), []
     for _ in range(steps):
+        t0 = time.perf_counter()
         out = hf(tok, past_key_values=out.past_key_values, use_cache=True)
         tok = out.logits[:, -1].argmax(-1, keepdim=True)
-    t2 = time.perf_counter()
-    return t1 - t0, (t2 - t1) / steps
+        ts.append(time.perf_counter() - t0)
+    return prefill, ts
 
 
 def time_llamacpp(llm, ids, steps):
     llm.reset()
     t0 = time.perf_counter()
     llm.eval(ids)
-    t1 = time.perf_counter()
+    prefill = time.perf_counter() - t0
+    ts = []
     for _ in range(steps):
+        t0 = time.perf_counter()
         tok = llm.sample(temp=0.0)
         llm.eval([tok])
-    t2 = time.perf_counter()
-    return t1 - t0, (t2 - t1) / steps
-
-
-def weight_bytes(model) -> int:
-    """Bytes of weights one decode step reads (embedding row aside; the head reads it all)."""
-    n = 0
-    for name, p in model.named_parameters():
-        if name.endswith("embed_tokens.weight") and model.lm_head is not None:
-            continue  # untied: the embedding is a row lookup
-        n += p.numel() * p.element_size()
-    return n
+        ts.append(time.perf_counter() - t0)
+    return prefill, ts
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m", "qwen2.5-0.5b"])
-    ap.add_argument("--prompts", nargs="+", type=int, default=[128, 2048])
-    ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--contexts", nargs="+", type=int, default=[128, 2048, 8192])
+    ap.add_argument("--formats", nargs="+", default=["f32", "bf16", "int8"])
+    ap.add_argument("--compiled", nargs="*", default=["bf16", "int8"], help="formats with a compiled arm")
+    ap.add_argument("--policies", nargs="+", default=["dense", "window"], choices=["dense", "window"])
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--quick", action="store_true", help="smollm2 only, 128 tokens, 1 repeat, 8 steps")
+    ap.add_argument("--hf-max", type=int, default=2048, help="largest T for the transformers arm")
+    ap.add_argument("--prefill-max", type=int, default=2048, help="largest T for per-format prefill")
+    ap.add_argument("--sparse-min", type=int, default=8192, help="smallest T for the SCSA arm")
+    ap.add_argument("--bandwidth", type=float, default=None, help="bytes/s (default: measured)")
+    ap.add_argument("--quick", action="store_true", help="smollm2, T=128, one repeat, 4 steps, no compile")
     ap.add_argument("--out", default=str(RESULTS / "decode_speed.json"))
     args = ap.parse_args()
     if args.quick:
-        args.models, args.prompts, args.repeats, args.steps = ["smollm2-135m"], [128], 1, 8
+        args.models, args.contexts, args.repeats, args.steps, args.compiled = ["smollm2-135m"], [128], 1, 4, []
     torch.set_num_threads(args.threads)
-    text = book_body()
+    bandwidth = args.bandwidth or measure_bandwidth()
+    print(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s (read, {args.threads} threads)", flush=True)
     try:
-        import llama_cpp  # noqa: F401
-        have_llamacpp = True
+        import llama_cpp
     except ImportError:
-        have_llamacpp = False
-    rows = []
+        llama_cpp = None
+    book = all_books_text()
+    rows, compile_s = [], {}
     for name in args.models:
         ck = load_checkpoint(name, progress=True)
-        arms = {"longattn-f32": build_model(ck.config, ck.state_dict, torch.float32),
-                "longattn-bf16": build_model(ck.config, ck.state_dict, torch.bfloat16)}
-        hf = oracle_model(name)
-        llm = None
-        if have_llamacpp:
-            import llama_cpp
-            llm = llama_cpp.Llama(str(ck.source), n_threads=args.threads, n_ctx=4096, verbose=False)
-        all_ids = ck.tokenizer(text)["input_ids"]
-        for T in args.prompts:
-            ids = all_ids[:T]
-            samples = {k: [] for k in list(arms) + ["transformers-f32"] + (["llama.cpp"] if llm else [])}
-            cache_bytes = {}
-            for r in range(args.repeats + 1):  # the first round warms up and is dropped
-                for arm, m in arms.items():
-                    p, d, cb = time_longattn(m, ids, args.steps)
-                    cache_bytes[arm] = cb
-                    if r:
-                        samples[arm].append((p, d))
-                p, d = time_hf(hf, ids, args.steps)
-                if r:
-                    samples["transformers-f32"].append((p, d))
-                if llm:
-                    p, d = time_llamacpp(llm, ids, args.steps)
-                    if r:
-                        samples["llama.cpp"].append((p, d))
-            med = {k: (statistics.median(s[0] for s in v), statistics.median(s[1] for s in v))
-                   for k, v in samples.items()}
-            hf_p, hf_d = med["transformers-f32"]
-            for arm, (p, d) in med.items():
-                row = {"model": name, "prompt": T, "arm": arm, "prefill_tok_s": T / p, "decode_tok_s": 1 / d,
-                       "decode_vs_transformers": hf_d / d, "prefill_vs_transformers": hf_p / p}
-                if arm in arms:
-                    wb = weight_bytes(arms[arm])
-                    kv = cache_bytes[arm] // 2  # average cache read over the decode (half filled on avg) is
-                    # close to the prompt's cache; use the allocated bytes as an upper bound
-                    row["bytes_per_token"] = wb + cache_bytes[arm]
-                    row["bandwidth_limit_tok_s"] = BANDWIDTH / (wb + cache_bytes[arm])
-                    row["fraction_of_bandwidth_limit"] = (1 / d) / row["bandwidth_limit_tok_s"]
-                rows.append(row)
-                print(f"{name:<14} T={T:<5} {arm:<18} prefill {T / p:8.1f} tok/s ({hf_p / p:5.2f}x)  "
-                      f"decode {1 / d:7.2f} tok/s ({hf_d / d:5.2f}x vs transformers)", flush=True)
-        del hf, arms, llm
+        cfg = ck.config
+        ids_all = ck.tokenizer(book)["input_ids"]
+        models = {w: build_model(cfg, ck.state_dict, weights=w) for w in args.formats}
+        hf = None
+        if min(args.contexts) <= args.hf_max:
+            from longattn.checkpoint.oracle import oracle_model
+            hf = oracle_model(name)
+        decoders = {}  # (format, policy) -> StaticDecoder, compiled once
+        for T in args.contexts:
+            if T + args.steps + 1 > cfg.max_context:
+                T = cfg.max_context - args.steps - 1  # the longest prompt the model allows
+                print(f"{name}: context {cfg.max_context}, running T={T}", flush=True)
+            ids = ids_all[:T]
+            first = torch.tensor([ids_all[T]])
+            llm = llama_cpp.Llama(str(ck.source), n_threads=args.threads, n_threads_batch=args.threads,
+                                  n_ctx=T + args.steps + 8, n_batch=512, verbose=False) if llama_cpp else None
+            for pname, pol in policies(cfg, T, args.policies).items():
+                # the shared prefilled cache (f32 prefill timed as longattn's prefill figure)
+                base = Session(models.get("f32") or build_model(cfg, ck.state_dict), pol)
+                t0 = time.perf_counter()
+                base.prefill([ids], chunk=512)
+                prefill = {"eager-f32": time.perf_counter() - t0}
+                if T <= args.prefill_max:
+                    for w, m in models.items():
+                        if w != "f32":
+                            t0 = time.perf_counter()
+                            Session(m, pol).prefill([ids], chunk=512)
+                            prefill[f"eager-{w}"] = time.perf_counter() - t0
+                arms = {}
+                for w, m in models.items():
+                    arms[f"eager-{w}"] = (m, lambda m=m: Session(m, pol, cache=copy.deepcopy(base.cache)).step)
+                    if w in args.compiled:
+                        key = (w, pname)
+                        if key not in decoders:
+                            decoders[key] = StaticDecoder(m, pol, max_len=T + args.steps + 1, dynamic=True)
+                            t0 = time.perf_counter()
+                            decoders[key].warmup()
+                            compile_s[f"{name}/{w}/{pname}"] = time.perf_counter() - t0
+                            print(f"  compiled {name} {w} {pname} in {compile_s[f'{name}/{w}/{pname}']:.0f} s",
+                                  flush=True)
+
+                        def make(dec=decoders[key]):
+                            dec.reset(T + args.steps + 1)
+                            dec.load_cache(copy.deepcopy(base.cache))
+                            return dec.step
+                        arms[f"compiled-{w}"] = (m, make)
+                samples = {a: [] for a in arms}
+                other = {}
+                for r in range(args.repeats + 1):  # round 0 warms up and is dropped
+                    for arm, (m, make) in arms.items():
+                        ts = time_steps(make(), first, args.steps)
+                        if r:
+                            samples[arm] += ts
+                    if pname == "dense" and hf is not None and T <= args.hf_max:
+                        p, ts = time_hf(hf, ids, args.steps)
+                        if r:
+                            other.setdefault("transformers-f32", ([], []))[0].append(p)
+                            other["transformers-f32"][1].extend(ts)
+                    if pname == "dense" and llm is not None:
+                        p, ts = time_llamacpp(llm, ids, args.steps)
+                        if r:
+                            other.setdefault("llama.cpp", ([], []))[0].append(p)
+                            other["llama.cpp"][1].extend(ts)
+                if name.startswith("qwen") and T >= args.sparse_min and pname == "dense":
+                    samples.update(sparse_arms(models, cfg, base, first, args))
+                for arm, ts in samples.items():
+                    w = arm.split("-")[-1]
+                    row = {"model": name, "T": T, "policy": pname, "arm": arm,
+                           "decode_tok_s": 1 / statistics.median(ts)}
+                    if arm in prefill:
+                        row["prefill_tok_s"] = T / prefill[arm]
+                    if w in models:
+                        need = weight_bytes(models[w]) + read_kv_bytes(cfg, pol, T)
+                        row["bytes_per_step"] = need
+                        row["roofline_tok_s"] = bandwidth / need
+                        row["fraction_of_roofline"] = row["decode_tok_s"] / row["roofline_tok_s"]
+                    rows.append(row)
+                for arm, (ps, ts) in other.items():
+                    rows.append({"model": name, "T": T, "policy": pname, "arm": arm,
+                                 "decode_tok_s": 1 / statistics.median(ts),
+                                 "prefill_tok_s": T / statistics.median(ps)})
+                report(rows, name, T, pname)
+            del llm
+        del models, hf, decoders
+    add_ratios(rows)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({
-        "threads": args.threads, "steps": args.steps, "repeats": args.repeats,
-        "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(), "rows": rows}, indent=1))
+    doc = {"threads": args.threads, "steps": args.steps, "repeats": args.repeats,
+           "bandwidth_bytes_s": bandwidth, "compile_seconds": compile_s,
+           "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+           "cpus": os.cpu_count(), "llama_cpp": getattr(llama_cpp, "__version__", None), "rows": rows}
+    Path(args.out).write_text(json.dumps(doc, indent=1))
+    plot(doc, Path(args.out).with_suffix(".png"))
     print(f"wrote {args.out}")
+
+
+def sparse_arms(models, cfg, base, first, args) -> dict:
+    """SCSA on every layer (bf16/int8 weights): 32 untimed calibration steps, then timed ones."""
+    from longattn.sparse import SCSAConfig
+    from longattn.sparse_policy import build_sparse_policy
+    out = {}
+    for w in ("bf16", "int8"):
+        if w not in models:
+            continue
+        pol = build_sparse_policy(cfg, SCSAConfig(min_context=0))
+        s = Session(models[w], pol, cache=copy.deepcopy(base.cache))
+        tok = first
+        for _ in range(32):
+            tok = s.step(tok).argmax(-1)
+        out[f"sparse-{w}"] = time_steps(s.step, tok, args.steps * args.repeats)
+    return out
+
+
+def add_ratios(rows) -> None:
+    """Each row's decode speed against transformers and llama.cpp at the same model and T."""
+    ref = {(r["model"], r["T"], r["arm"]): r for r in rows if r["policy"] == "dense"}
+    for r in rows:
+        for other, key in (("transformers-f32", "vs_transformers"), ("llama.cpp", "vs_llamacpp")):
+            o = ref.get((r["model"], r["T"], other))
+            if o:
+                r[f"decode_{key}"] = r["decode_tok_s"] / o["decode_tok_s"]
+                if "prefill_tok_s" in r:
+                    r[f"prefill_{key}"] = r["prefill_tok_s"] / o["prefill_tok_s"]
+
+
+def report(rows, name, T, pname) -> None:
+    for r in rows:
+        if (r["model"], r["T"], r["policy"]) == (name, T, pname):
+            pre = f"prefill {r['prefill_tok_s']:7.1f} tok/s" if "prefill_tok_s" in r else " " * 21
+            roof = f"  {100 * r['fraction_of_roofline']:4.0f}% of roofline" if "fraction_of_roofline" in r else ""
+            print(f"{name:<13} T={T:<6} {pname:<7} {r['arm']:<17} decode {r['decode_tok_s']:7.2f} tok/s  "
+                  f"{pre}{roof}", flush=True)
+
+
+def plot(doc, path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    models = sorted({r["model"] for r in doc["rows"]})
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    for ax, mname in zip(axes[0], models):
+        rs = [r for r in doc["rows"] if r["model"] == mname]
+        for arm in sorted({(r["arm"], r["policy"]) for r in rs}):
+            pts = sorted((r["T"], r["decode_tok_s"]) for r in rs if (r["arm"], r["policy"]) == arm)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{arm[0]} ({arm[1]})")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context T")
+        ax.set_ylabel("decode tok/s")
+        ax.set_title(mname)
+        ax.legend(fontsize=6)
+    fig.suptitle(f"decode speed, {doc['threads']} threads")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -75,14 +75,16 @@ def main():
     ap.add_argument("--tolerance", type=float, default=0.025)
     ap.add_argument("--packing", default="q8_0")
     ap.add_argument("--metric", choices=["head", "group"], default="head", help="SCSAConfig.calib_metric")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    ap.add_argument("--weights", choices=["f32", "bf16", "int8"], default="bf16",
+                    help="weight format of both arms (int8 makes the weight reads, which SCSA cannot "
+                         "shrink, a smaller part of a step)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--out", default=str(RESULTS / "scsa_decode.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ck = load_checkpoint(args.model)
-    model = build_model(ck.config, ck.state_dict, torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
+    model = build_model(ck.config, ck.state_dict, weights=args.weights)
     ids = ck.tokenizer(all_books_text())["input_ids"]
     dense_pol = AttentionPolicy.from_config(ck.config)
     cache = KVCache(ck.config, 1)
@@ -136,7 +138,7 @@ def main():
         print(f"sustained L={L} x {args.sustained} steps: {d / s:.2f}x, agreement "
               f"{100 * sustained['agreement']:.1f}%, rebuilds {reb}", flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "packing": args.packing,
+    out = {"model": args.model, "weights": args.weights, "threads": args.threads, "packing": args.packing,
            "tolerance": args.tolerance, "metric": args.metric, "rows": rows, "sustained": sustained, "prefill_seconds": prefill_s}
     Path(args.out).write_text(json.dumps(out, indent=1))
     try:
@@ -151,7 +153,7 @@ def main():
         ax[0].legend()
         ax[1].plot(xs, [100 * r["agreement"] for r in rows], "o-")
         ax[1].set_xscale("log", base=2); ax[1].set_xlabel("context"); ax[1].set_ylabel("greedy agreement %")
-        fig.suptitle(f"SCSA vs dense decode, {args.model} ({args.dtype}, {args.threads} threads)")
+        fig.suptitle(f"SCSA vs dense decode, {args.model} ({args.weights} weights, {args.threads} threads)")
         fig.tight_layout(); fig.savefig(Path(args.out).with_suffix(".png"), dpi=110)
     except Exception as e:  # plotting is a convenience; the JSON is the result
         print(f"plot skipped: {e}", file=sys.stderr)
