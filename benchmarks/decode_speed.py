@@ -7,8 +7,10 @@ For each model and context T (book tokens):
     longattn-f32 prefill figure, and at T <= --prefill-max the other formats prefill too;
   * decode arms, alternated inside every repeat, medians of per-step times:
       eager-{f32,bf16,int8}  Session.step
-      compiled-{bf16,int8}   StaticDecoder (torch.compile, dynamic buffer length: one graph
+      compiled-int8          StaticDecoder (torch.compile, dynamic buffer length: one graph
                              per model and policy, compiled before timing, compile time reported)
+      compiled-f32           the same on the dense policy at T <= --hf-max (same weights as
+                             the transformers arm)
       sparse-{bf16,int8}     SCSA on every layer after its 32 calibration steps (qwen only,
                              T >= 8192; eager)
   * policies: "dense" = the checkpoint's attention (Gemma 3: its trained 512-token local
@@ -136,7 +138,10 @@ def main():
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m", "qwen2.5-0.5b"])
     ap.add_argument("--contexts", nargs="+", type=int, default=[128, 2048, 8192])
     ap.add_argument("--formats", nargs="+", default=["f32", "bf16", "int8"])
-    ap.add_argument("--compiled", nargs="*", default=["bf16", "int8"], help="formats with a compiled arm")
+    ap.add_argument("--compiled", nargs="*", default=["int8"], help="formats with a compiled arm")
+    ap.add_argument("--compiled-dense", nargs="*", default=["f32"],
+                    help="formats with a compiled arm on the dense policy at T <= --hf-max only "
+                         "(the same-weights comparison with transformers)")
     ap.add_argument("--policies", nargs="+", default=["dense", "window"], choices=["dense", "window"])
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2)
@@ -149,7 +154,8 @@ def main():
     ap.add_argument("--out", default=str(RESULTS / "decode_speed.json"))
     args = ap.parse_args()
     if args.quick:
-        args.models, args.contexts, args.repeats, args.steps, args.compiled = ["smollm2-135m"], [128], 1, 4, []
+        args.models, args.contexts, args.repeats, args.steps = ["smollm2-135m"], [128], 1, 4
+        args.compiled, args.compiled_dense = [], []
     torch.set_num_threads(args.threads)
     bandwidth = args.bandwidth or measure_bandwidth()
     print(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s (read, {args.threads} threads)", flush=True)
@@ -192,7 +198,8 @@ def main():
                 arms = {}
                 for w, m in models.items():
                     arms[f"eager-{w}"] = (m, lambda m=m: Session(m, pol, cache=copy.deepcopy(base.cache)).step)
-                    if w in args.compiled:
+                    if w in args.compiled or (w in args.compiled_dense and pname == "dense"
+                                              and T <= args.hf_max):
                         key = (w, pname)
                         if key not in decoders:
                             decoders[key] = StaticDecoder(m, pol, max_len=T + args.steps + 1, dynamic=True)
