@@ -10,8 +10,10 @@ Per-row quantization commutes with concatenating rows, so the fused q/k/v and ga
 hold exactly the values that quantizing each part would give: ``effective_state_dict`` uses that
 to build the float reference model that tests compare the int8 paths against.
 
-int4 is not offered: on this machine PyTorch's ``_weight_int4pack_mm_for_cpu`` was slower than
-bf16 for the bundled models' shapes (benchmarks/weight_kernels.py measures it).
+int4 is not offered: in a quick microbenchmark on this machine (one decode row, 2 threads,
+taken while other work ran, so indicative only) PyTorch's ``_weight_int4pack_mm_for_cpu`` was
+slower than bf16 ``F.linear`` on the 576x1536 and 49152x576 shapes and only ~15% faster on
+896x4864; a fused 4-bit kernel would be needed for int4 to pay.
 """
 
 from __future__ import annotations
