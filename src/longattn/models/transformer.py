@@ -59,10 +59,15 @@ def widened_linear(x: torch.Tensor, n_out: int, widen, b: torch.Tensor | None = 
     return y if b is None else y + b.to(x.dtype)
 
 
+def prefill_sized(x: torch.Tensor) -> bool:
+    """``x [..., K]`` has WIDEN_ROWS rows or more: widen the weight, run a float GEMM."""
+    return x.numel() // x.shape[-1] >= WIDEN_ROWS
+
+
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear in the weight's dtype (bf16 weights read half the bytes), result in x's dtype."""
     if w.dtype != x.dtype:
-        if x.numel() // x.shape[-1] >= WIDEN_ROWS:
+        if prefill_sized(x):
             return widened_linear(x, w.shape[0], lambda i, j: w[i:j].to(x.dtype), b)
         y = F.linear(x.to(w.dtype), w, None if b is None else b.to(w.dtype))
         return y.to(x.dtype)
@@ -94,7 +99,7 @@ class Linear(nn.Module):
     def forward(self, x):
         if self.qweight is None:
             return _linear(x, self.weight, self.bias)
-        if x.numel() // x.shape[-1] >= WIDEN_ROWS:  # prefill: dequantize blocks, float GEMM
+        if prefill_sized(x):  # dequantize blocks, float GEMM
             return widened_linear(x, self.qweight.shape[0], lambda i, j: dequantize_int8(
                 self.qweight[i:j], self.scales[i:j], x.dtype), self.bias)
         y = int8_matmul(x, self.qweight, self.scales_bf16)
@@ -257,14 +262,6 @@ class Transformer(nn.Module):
         if self._tied_head is not None:
             return self._tied_head(x)
         return _linear(x, self.model.embed_tokens.weight)
-
-    def head_weight(self) -> torch.Tensor:
-        """``[vocab, hidden]`` float matrix of the output head (dequantized for int8)."""
-        if self.lm_head is not None:
-            return self.lm_head.effective_weight(self.activation_dtype)
-        if self._tied_head is not None:
-            return self._tied_head.effective_weight()
-        return self.model.embed_tokens.weight
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, pos: torch.Tensor | None = None, cache=None, policy=None,
