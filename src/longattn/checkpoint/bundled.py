@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import LongattnError
+from .digest import content_digest, remember_digest
 from .paths import cache_root, atomic_write_path
 
 
@@ -68,17 +68,12 @@ def installed_size(b: Bundled) -> int | None:
     return None if parts is None else sum(p.stat().st_size for p in parts)
 
 
-def _sha_of_parts(parts: list[Path]) -> str:
-    h = hashlib.sha256()
-    for p in parts:
-        with open(p, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-    return h.hexdigest()
-
-
 def bundled_path(name: str) -> Path:
-    """Path of the single GGUF file of a bundled model, assembling split packages once."""
+    """Path of the single GGUF file of a bundled model, assembling split packages once.
+
+    The assembled copy lives in ``$LONGATTN_CACHE/sources/`` under the parts' content
+    digest, so every installation of the same packages shares one copy.
+    """
     b = BUNDLED[name]
     parts = part_paths(b)
     if parts is None:
@@ -86,22 +81,20 @@ def bundled_path(name: str) -> Path:
                             + " ".join(b.packages))
     if len(parts) == 1:
         return parts[0]
-    stat_key = "-".join(f"{p.stat().st_size}.{p.stat().st_mtime_ns}" for p in parts)
-    key = hashlib.sha256(stat_key.encode()).hexdigest()[:12]
-    target = cache_root() / "sources" / f"{key}-{b.file_name}"
-    if target.exists():
+    digest = content_digest(parts)
+    if b.sha256 is not None and digest != b.sha256:
+        raise LongattnError(f"model '{name}': chunks do not match the published SHA256 "
+                            f"({digest[:12]}… != {b.sha256[:12]}…); re-install its packages")
+    target = cache_root() / "sources" / f"{digest[:16]}-{b.file_name}"
+    if target.exists() and target.stat().st_size == sum(p.stat().st_size for p in parts):
         return target
-    if b.sha256 is not None:
-        got = _sha_of_parts(parts)
-        if got != b.sha256:
-            raise LongattnError(f"model '{name}': chunks do not match the published SHA256 "
-                                f"({got[:12]}… != {b.sha256[:12]}…); re-install its packages")
     with atomic_write_path(target) as tmp:
         with open(tmp, "wb") as out:
             for p in parts:
                 with open(p, "rb") as f:
                     while chunk := f.read(1 << 24):
                         out.write(chunk)
+    remember_digest([target], digest)
     return target
 
 

@@ -1,8 +1,9 @@
 """One entry point: a name or path -> LoadedCheckpoint (config, float32 weights, tokenizer).
 
 GGUF files are converted once (dequantized, renamed, tokenizer built from the file's own
-metadata) into ``$LONGATTN_CACHE/converted/<key>/``; the key hashes the source path, size
-and mtime plus the converter version, so a changed source file is re-converted. The entry
+metadata) into ``$LONGATTN_CACHE/converted/<key>/``; the key hashes the source file's
+content plus the converter version, so a changed source file is re-converted and the
+same file at another path is not. The entry
 is written into a temporary directory and renamed into place, so an interrupted or failed
 conversion leaves nothing behind.
 """
@@ -21,6 +22,7 @@ from typing import Any
 from ..config import ModelConfig
 from ..errors import LongattnError
 from .bundled import resolve_model
+from .digest import content_digest
 from .paths import atomic_dir, cache_root
 
 CONVERTER_VERSION = "2"  # bump when the converted layout changes
@@ -51,8 +53,9 @@ def load_tokenizer(path: Path, gguf_file: str | None = None):
 
 
 def _cache_key(src: Path) -> str:
-    st = src.stat()
-    raw = f"{src.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CONVERTER_VERSION}"
+    """Key of a source file's cache entries: its content and the converter version (not
+    its path, so a second installation of the same packages reuses the entry)."""
+    raw = f"{content_digest([src])}|{CONVERTER_VERSION}"
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
