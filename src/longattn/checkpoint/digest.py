@@ -40,11 +40,14 @@ def _save_memo(memo: dict) -> None:
         tmp.write_text(json.dumps(memo, indent=0, sort_keys=True))
 
 
-def content_digest(paths: list[Path]) -> str:
+def content_digest(paths: list[Path], remember: bool = True) -> str:
     """SHA-256 (hex) of the concatenated contents of ``paths``, in order.
 
     The digest of a model's parts equals the digest of the file they assemble into, so a
-    package's published checksum of the whole file can be compared directly.
+    package's published checksum of the whole file can be compared directly. With
+    ``remember=False`` a newly computed digest is not written to the memo: callers that may
+    still reject the file (a truncated GGUF) record it only once the file proved good, so a
+    failed load leaves nothing in the cache directory.
     """
     memo = _load_memo()
     key = _memo_key(paths)
@@ -56,14 +59,18 @@ def content_digest(paths: list[Path]) -> str:
             while chunk := f.read(1 << 22):
                 h.update(chunk)
     digest = h.hexdigest()
-    remember_digest(paths, digest, memo)
+    if remember:
+        remember_digest(paths, digest, memo)
     return digest
 
 
 def remember_digest(paths: list[Path], digest: str, memo: dict | None = None) -> None:
     """Record a digest already known (e.g. a file just assembled from parts)."""
     memo = _load_memo() if memo is None else memo
-    memo[_memo_key(paths)] = digest
+    key = _memo_key(paths)
+    if memo.get(key) == digest:
+        return
+    memo[key] = digest
     # Drop entries for files that no longer exist (a deleted clone's packages).
     for k in [k for k in memo if not all(Path(s.rsplit("|", 2)[0]).exists() for s in k.split("\n"))]:
         del memo[k]

@@ -22,7 +22,7 @@ from typing import Any
 from ..config import ModelConfig
 from ..errors import LongattnError
 from .bundled import resolve_model
-from .digest import content_digest
+from .digest import content_digest, remember_digest
 from .paths import atomic_dir, cache_root
 
 CONVERTER_VERSION = "2"  # bump when the converted layout changes
@@ -52,11 +52,10 @@ def load_tokenizer(path: Path, gguf_file: str | None = None):
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def _cache_key(src: Path) -> str:
-    """Key of a source file's cache entries: its content and the converter version (not
-    its path, so a second installation of the same packages reuses the entry)."""
-    raw = f"{content_digest([src])}|{CONVERTER_VERSION}"
-    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+def cache_key(digest: str) -> str:
+    """Key of a source file's cache entries from its content digest and the converter
+    version (not its path, so a second installation of the same packages reuses the entry)."""
+    return hashlib.sha256(f"{digest}|{CONVERTER_VERSION}".encode()).hexdigest()[:16]
 
 
 def _convert_gguf(src: Path, target: Path, progress: bool) -> None:
@@ -96,9 +95,11 @@ def load_checkpoint(name_or_path: str, progress: bool = True, with_tokenizer: bo
         return LoadedCheckpoint(name, src, cfg, sd, tok)
     if src.suffix not in (".gguf", ".bin") and not _looks_like_gguf(src):
         raise LongattnError(f"{src} is neither a GGUF file nor an HF model directory")
-    target = cache_root() / "converted" / f"{_cache_key(src)}"
+    digest = content_digest([src], remember=False)
+    target = cache_root() / "converted" / cache_key(digest)
     if not (target / "model.safetensors").exists():
         _convert_gguf(src, target, progress)
+    remember_digest([src], digest)  # only now: the file proved a good GGUF
     from safetensors.torch import load_file
     try:
         cfg = ModelConfig.from_dict(json.loads((target / "config.json").read_text()))

@@ -9,7 +9,8 @@ import json
 import torch
 
 from .bundled import resolve_model
-from .load import _cache_key, _quiet_transformers
+from .digest import content_digest, remember_digest
+from .load import _quiet_transformers, cache_key
 from .paths import atomic_dir, cache_root
 
 
@@ -20,7 +21,8 @@ def oracle_dir(name_or_path: str) -> str:
     _, src = resolve_model(name_or_path)
     if src.is_dir():
         return str(src)
-    target = cache_root() / "oracle" / _cache_key(src)
+    digest = content_digest([src], remember=False)
+    target = cache_root() / "oracle" / cache_key(digest)
     if not (target / "model.safetensors").exists():
         hf = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
         with atomic_dir(target) as tmp:
@@ -31,6 +33,7 @@ def oracle_dir(name_or_path: str) -> str:
             hf.config.save_pretrained(str(tmp))
             (tmp / "source.json").write_text(json.dumps({"source": str(src)}))
         del hf
+    remember_digest([src], digest)
     return str(target)
 
 
