@@ -3,12 +3,14 @@ transformers and llama.cpp (when ``llama-cpp-python`` is installed), with a roof
 
 For each model and context T (book tokens):
   * one f32 prefill per policy builds the cache every longattn arm decodes from (a deep copy
-    each time; decode cost depends on the cache's size, not its values); its time is the
-    longattn-f32 prefill figure, and at T <= --prefill-max the other formats prefill too;
+    each time; decode cost depends on the cache's size, not its values). At T <= --prefill-max
+    every format's prefill is timed again inside each repeat, alternated with the other arms,
+    and the median is reported (a first, cold prefill ran up to 1.7x slower); above it, the
+    f32 prefill that built the cache is the figure (the model has run smaller T by then);
   * decode arms, alternated inside every repeat, medians of per-step times:
       eager-{f32,bf16,int8}  Session.step
-      compiled-int8          StaticDecoder (torch.compile, dynamic buffer length: one graph
-                             per model and policy, compiled before timing, compile time reported)
+      compiled-int8          StaticDecoder (torch.compile, static shapes: one graph per model,
+                             policy and T, compiled before timing, compile time reported)
       compiled-f32           the same on the dense policy at T <= --hf-max (same weights as
                              the transformers arm)
       sparse-{bf16,int8}     SCSA on every layer after its 32 calibration steps (qwen only,
@@ -46,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from longattn.checkpoint import load_checkpoint  # noqa: E402
 from longattn.data import all_books_text  # noqa: E402
 from longattn.models import build_model  # noqa: E402
+from longattn.ops import int8_kernel  # noqa: E402
 from longattn.policy import AttentionPolicy  # noqa: E402
 from longattn.session import Session  # noqa: E402
 from longattn.static_decode import StaticDecoder  # noqa: E402
@@ -174,8 +177,9 @@ def main():
         if min(args.contexts) <= args.hf_max:
             from longattn.checkpoint.oracle import oracle_model
             hf = oracle_model(name)
-        decoders = {}  # (format, policy) -> StaticDecoder, compiled once
+        decoders = {}  # (format, policy) -> StaticDecoder for the current T
         for T in args.contexts:
+            decoders.clear()  # static shapes: each T compiles its own graphs
             if T + args.steps + 1 > cfg.max_context:
                 T = cfg.max_context - args.steps - 1  # the longest prompt the model allows
                 print(f"{name}: context {cfg.max_context}, running T={T}", flush=True)
@@ -189,12 +193,6 @@ def main():
                 t0 = time.perf_counter()
                 base.prefill([ids], chunk=512)
                 prefill = {"eager-f32": time.perf_counter() - t0}
-                if T <= args.prefill_max:
-                    for w, m in models.items():
-                        if w != "f32":
-                            t0 = time.perf_counter()
-                            Session(m, pol).prefill([ids], chunk=512)
-                            prefill[f"eager-{w}"] = time.perf_counter() - t0
                 arms = {}
                 for w, m in models.items():
                     arms[f"eager-{w}"] = (m, lambda m=m: Session(m, pol, cache=copy.deepcopy(base.cache)).step)
@@ -202,7 +200,7 @@ def main():
                                               and T <= args.hf_max):
                         key = (w, pname)
                         if key not in decoders:
-                            decoders[key] = StaticDecoder(m, pol, max_len=T + args.steps + 1, dynamic=True)
+                            decoders[key] = StaticDecoder(m, pol, max_len=T + args.steps + 1)
                             t0 = time.perf_counter()
                             decoders[key].warmup()
                             compile_s[f"{name}/{w}/{pname}"] = time.perf_counter() - t0
@@ -215,9 +213,14 @@ def main():
                             return dec.step
                         arms[f"compiled-{w}"] = (m, make)
                 samples = {a: [] for a in arms}
-                other = {}
+                other, prefills = {}, {}
                 for r in range(args.repeats + 1):  # round 0 warms up and is dropped
                     for arm, (m, make) in arms.items():
+                        if T <= args.prefill_max and arm.startswith("eager-"):
+                            t0 = time.perf_counter()
+                            Session(m, pol).prefill([ids], chunk=512)
+                            if r:
+                                prefills.setdefault(arm, []).append(time.perf_counter() - t0)
                         ts = time_steps(make(), first, args.steps)
                         if r:
                             samples[arm] += ts
@@ -237,7 +240,9 @@ def main():
                     w = arm.split("-")[-1]
                     row = {"model": name, "T": T, "policy": pname, "arm": arm,
                            "decode_tok_s": 1 / statistics.median(ts)}
-                    if arm in prefill:
+                    if arm in prefills:
+                        row["prefill_tok_s"] = T / statistics.median(prefills[arm])
+                    elif arm in prefill:
                         row["prefill_tok_s"] = T / prefill[arm]
                     if w in models:
                         need = weight_bytes(models[w]) + read_kv_bytes(cfg, pol, T)
@@ -256,6 +261,7 @@ def main():
     RESULTS.mkdir(parents=True, exist_ok=True)
     doc = {"threads": args.threads, "steps": args.steps, "repeats": args.repeats,
            "bandwidth_bytes_s": bandwidth, "compile_seconds": compile_s,
+           "int8_kernel": int8_kernel.kernel_name(),
            "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
            "cpus": os.cpu_count(), "llama_cpp": getattr(llama_cpp, "__version__", None), "rows": rows}
     Path(args.out).write_text(json.dumps(doc, indent=1))

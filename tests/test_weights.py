@@ -15,6 +15,7 @@ from longattn.checkpoint import load_checkpoint
 from longattn.errors import LongattnError
 from longattn.models import build_model
 from longattn.models import transformer
+from longattn.ops import int8_kernel
 from longattn.models.weights import (dequantize_int8, effective_state_dict, int8_matmul, parse_weights,
                                      quantize_int8)
 from longattn.policy import AttentionPolicy
@@ -54,22 +55,64 @@ def test_parse_weights_names_and_errors():
 
 
 @pytest.mark.parametrize("rows", [1, 3, 40])
-def test_int8_kernel_matches_exact_reference(rows):
-    """aten._weight_int8pack_mm rounds x to bf16, accumulates in float32, rounds the output
-    to bf16: the bound is half a bf16 ulp of the output plus K float32 roundings of the sum
-    of |terms|, against float64 arithmetic on the same bf16 inputs."""
+def test_aten_int8_kernel_matches_exact_reference(rows):
+    """aten._weight_int8pack_mm (the fallback) rounds x to bf16, accumulates in float32, rounds
+    the output to bf16: the bound is half a bf16 ulp of the output plus K float32 roundings of
+    the sum of |terms|, against float64 arithmetic on the same bf16 inputs."""
     g = torch.Generator().manual_seed(rows)
     K, N = 96, 70
     x = torch.randn(rows, K, generator=g)
     q, s = quantize_int8(torch.randn(N, K, generator=g))
     sb = s.to(torch.bfloat16)
-    y = int8_matmul(x, q, sb)
+    y = int8_matmul(x, q, s, sb, kernel="aten")
     xb = x.to(torch.bfloat16).double()
     w = q.double() * sb.double()[:, None]
     ref = xb @ w.T
     bound = 2.0 ** -8 * ref.abs() + K * 2.0 ** -23 * (xb.abs() @ w.abs().T) + 1e-30
     assert y.dtype == torch.float32 and y.shape == (rows, N)
     assert torch.all((y.double() - ref).abs() <= bound)
+
+
+def test_avx2_int8_kernel_is_built_where_the_cpu_has_avx2():
+    """The fast kernel must really run on x86 CI machines, not silently fall back."""
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512", "AVX512_BF16", "AMX"):
+        assert int8_kernel.available() and int8_kernel.kernel_name() == "longattn-avx2"
+        lin = transformer.Linear(16, 8, False)
+        lin.weight.data = torch.randn(8, 16)
+        lin.to_int8()
+        assert lin.kernel == "avx2"
+    else:
+        assert not int8_kernel.available()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize("K", [96, 100, 77, 5])  # whole 32-blocks, an 8-block tail, scalar tails
+def test_avx2_int8_kernel_matches_exact_reference(rows, K):
+    """float32 activations, int8 weights widened exactly, float32 accumulation in any order,
+    one rounding for the row scale: within K float32 roundings of the sum of |terms| plus half
+    an ulp of the output, against float64 arithmetic on the same inputs."""
+    assert int8_kernel.available()
+    g = torch.Generator().manual_seed(rows * 1000 + K)
+    N = 70
+    x = torch.randn(rows, K, generator=g)
+    q, s = quantize_int8(torch.randn(N, K, generator=g))
+    y = int8_matmul(x, q, s, s.to(torch.bfloat16), kernel="avx2")
+    w = q.double() * s.double()[:, None]
+    ref = x.double() @ w.T
+    bound = 2.0 ** -24 * ref.abs() + K * 2.0 ** -24 * (x.double().abs() @ w.abs().T) + 1e-30
+    assert y.dtype == torch.float32 and y.shape == (rows, N)
+    assert torch.all((y.double() - ref).abs() <= bound)
+    # a transposed (non-contiguous) activation view gives the same bits
+    assert torch.equal(int8_kernel.int8_gemv(x.T.contiguous().T, q, s), y)
+
+
+def test_avx2_int8_kernel_rejects_wrong_dtypes_and_shapes():
+    assert int8_kernel.available()
+    q, s = quantize_int8(torch.randn(4, 8))
+    with pytest.raises(RuntimeError, match="float32"):
+        int8_kernel.int8_gemv(torch.randn(1, 8, dtype=torch.float64), q, s)
+    with pytest.raises(RuntimeError, match="shapes"):
+        int8_kernel.int8_gemv(torch.randn(1, 9), q, s)
 
 
 @pytest.mark.parametrize("weights", FORMATS)

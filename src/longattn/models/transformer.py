@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..errors import LongattnError
+from ..ops import int8_kernel
 from .rope import apply_rope, inv_freq, rope_cos_sin
 from .weights import dequantize_int8, int8_matmul, parse_weights, quantize_int8
 
@@ -89,6 +90,9 @@ class Linear(nn.Module):
         self.qweight = q
         self.register_buffer("scales", scales)
         self.register_buffer("scales_bf16", scales.to(torch.bfloat16))
+        # Chosen (and the kernel built) here, not in forward: a plain string is a constant
+        # to torch.compile, and a first-call build must not happen inside a trace.
+        self.kernel = "avx2" if int8_kernel.available() else "aten"
 
     def effective_weight(self, dtype=torch.float32) -> torch.Tensor:
         """``[N, K]``: the matrix this layer multiplies by, in ``dtype``."""
@@ -102,7 +106,7 @@ class Linear(nn.Module):
         if prefill_sized(x):  # dequantize blocks, float GEMM
             return widened_linear(x, self.qweight.shape[0], lambda i, j: dequantize_int8(
                 self.qweight[i:j], self.scales[i:j], x.dtype), self.bias)
-        y = int8_matmul(x, self.qweight, self.scales_bf16)
+        y = int8_matmul(x, self.qweight, self.scales, self.scales_bf16, self.kernel)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 

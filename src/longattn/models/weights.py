@@ -56,14 +56,22 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) 
     return (q.to(dtype) * scales.to(dtype)[:, None])
 
 
-def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales_bf16: torch.Tensor) -> torch.Tensor:
-    """``x [..., K]`` -> ``x @ (q * scales)^T`` as ``[..., N]`` in x's dtype (bf16 arithmetic).
+def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, scales_bf16: torch.Tensor,
+                kernel: str = "aten") -> torch.Tensor:
+    """``x [..., K]`` -> ``x @ (q * scales)^T`` as ``[..., N]`` in x's dtype.
 
-    The CPU kernel is fast only with bf16 activations (float32 ones ran 5-9x slower), so x is
-    rounded to bf16 exactly as the bf16 weight path does.
+    kernel "avx2" (float32 x only): longattn's kernel, float32 arithmetic on unrounded
+    activations (ops/int8_kernel.py). kernel "aten": ``aten._weight_int8pack_mm``, fast only
+    with bf16 activations (float32 ones ran 5-9x slower), so x and the scales are rounded to
+    bf16 exactly as the bf16 weight path does.
     """
     shape = x.shape
-    y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(torch.bfloat16), q, scales_bf16)
+    x2 = x.reshape(-1, shape[-1])
+    if kernel == "avx2" and x.dtype == torch.float32:
+        from ..ops.int8_kernel import int8_gemv
+        y = int8_gemv(x2, q, scales)
+    else:
+        y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), q, scales_bf16)
     return y.reshape(*shape[:-1], q.shape[0]).to(x.dtype)
 
 
