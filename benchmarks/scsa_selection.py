@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from longattn.sparse import SCSAConfig, SCSALayer
+from longattn.sparse.config import TREE_ORDERS
 from longattn.sparse.kernel import cluster_scores, select_flat, select_tree
 from longattn.sparse.synthetic import synthetic_cache
 
@@ -65,13 +66,17 @@ def mem_available_gb() -> float:
     return 0.0
 
 
-def bench_selection(n: int, regime: str, queries: int, repeats: int, tau: float) -> dict:
+def bench_selection(n: int, regime: str, queries: int, repeats: int, tau: float,
+                    tree_order: str = "similar") -> dict:
     """Priority + selection time and summaries scored, flat vs hierarchical, one KV head."""
     spec = REGIMES[regime]
+    # synthetic_cache draws its run lengths from torch's global generator: seed it, or the cache
+    # (and every count below) depends on what ran before in this process.
+    torch.manual_seed(n)
     cache = synthetic_cache(n, 1, HEAD_DIM, seed=7, **spec["cache"](n))
     group = QWEN_HEADS // QWEN_KV
     qs = cache.queries(queries, group, seed=3, **spec["queries"])  # [Q, 1, g, 1, D]
-    cfg = SCSAConfig(min_context=0, calib_steps=0, tau_default=tau, hierarchical=True)
+    cfg = SCSAConfig(min_context=0, calib_steps=0, tau_default=tau, hierarchical=True, tree_order=tree_order)
     layer = SCSALayer(cfg, group, 1, HEAD_DIM)
     t0 = time.perf_counter()
     layer.attend(qs[0], cache.k, cache.v, HEAD_DIM ** -0.5)  # builds the index and the tree
@@ -114,7 +119,7 @@ def bench_selection(n: int, regime: str, queries: int, repeats: int, tau: float)
             o = layer._output(index, full, sel, tail, v_tail, beta)
             errors[name].append(((o - dense).norm(dim=-1) / dense.norm(dim=-1)).median().item())
     out = {"n": n, "regime": regime, "clusters": index.num_clusters, "tree_nodes": index.tree.num_nodes,
-           "build_s": round(build_s, 3), "tau": tau}
+           "build_s": round(build_s, 3), "tau": tau, "tree_order": tree_order}
     for name in ("flat", "hier"):
         out[f"{name}_ms"] = round(median_ms(times[name]), 4)
         out[f"{name}_scored"] = statistics.median(scored[name])
@@ -128,6 +133,7 @@ def bench_selection(n: int, regime: str, queries: int, repeats: int, tau: float)
 def bench_attend(n: int, regime: str, queries: int, repeats: int, calib_steps: int) -> dict:
     """Full decode attention, SCSA (flat and hierarchical, self-calibrated) vs dense SDPA."""
     spec = REGIMES[regime]
+    torch.manual_seed(n)
     cache = synthetic_cache(n, QWEN_KV, HEAD_DIM, seed=11, **spec["cache"](n))
     beta = HEAD_DIM ** -0.5
     calib = cache.queries(calib_steps, QWEN_HEADS, seed=5, **spec["queries"])
@@ -237,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tau", type=float, default=0.02, help="stop threshold for the selection part")
     ap.add_argument("--sizes", type=int, nargs="+", default=None,
                     help="selection sizes in rows (default: 32K..1M, --quick: 32K and 128K)")
+    ap.add_argument("--tree-order", choices=TREE_ORDERS, default="similar",
+                    help="how the hierarchical tree groups leaf clusters (SCSAConfig.tree_order)")
     ap.add_argument("--no-attend", action="store_true", help="skip part 2 (attend vs dense)")
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args(argv)
@@ -266,13 +274,13 @@ def main(argv: list[str] | None = None) -> int:
         att_sizes = []
     results = {"meta": {"threads": args.threads, "quick": args.quick, "torch": torch.__version__,
                         "python": platform.python_version(), "machine": platform.machine(),
-                        "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(), "repeats": repeats,
+                        "cpus": os.cpu_count(), "tree_order": args.tree_order, "loadavg_start": os.getloadavg(), "repeats": repeats,
                         "queries": queries},
                "selection": [], "attend": []}
     t_start = time.perf_counter()
     for n in sel_sizes:
         for regime in REGIMES:
-            r = bench_selection(n, regime, queries, repeats, args.tau)
+            r = bench_selection(n, regime, queries, repeats, args.tau, args.tree_order)
             results["selection"].append(r)
             parts = [f"{name} {r[name + '_ms']:8.3f} ms ({r[name + '_scored']:.0f} scored, "
                      f"{r[name + '_opened']:.0f} opened, err {r[name + '_median_rel_err']:.3f})"

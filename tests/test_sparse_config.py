@@ -25,6 +25,7 @@ from sparse_fixtures import one_thread  # noqa: F401  (autouse)
     (dict(sink=-1), "sink"),
     (dict(min_context=-5), "min_context"),
     (dict(tree_fanout=1), "tree_fanout"),
+    (dict(tree_order="time"), "tree_order"),
     (dict(calib_metric="max"), "calib_metric must be one of head, group"),
 ])
 def test_config_rejects_bad_settings(kwargs, needle):

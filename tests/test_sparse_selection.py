@@ -6,6 +6,7 @@ import torch
 
 from longattn.sparse import SCSALayer
 from longattn.sparse.kernel import stop_counts
+from longattn.sparse.tree import build_tree, similarity_order
 from sparse_fixtures import attn_case, one_thread, small_cfg as _small_cfg  # noqa: F401
 
 H, HKV, D, N = 6, 2, 32, 1203
@@ -53,11 +54,12 @@ def test_accounting_with_partial_clusters_and_batch(case):
         assert torch.equal(acc["coverage"], torch.ones(HKV, N, dtype=torch.int64))
 
 
+@pytest.mark.parametrize("tree_order", ["similar", "cache"])
 @pytest.mark.parametrize("tau", [0.0, 1e-9])
-def test_flat_and_hierarchical_agree_when_fully_expanded(case, tau):
+def test_flat_and_hierarchical_agree_when_fully_expanded(case, tau, tree_order):
     qs, k, v, scale = case
     flat = SCSALayer(small_cfg(tau_default=tau), H, HKV, D)
-    tree = SCSALayer(small_cfg(tau_default=tau, hierarchical=True), H, HKV, D)
+    tree = SCSALayer(small_cfg(tau_default=tau, hierarchical=True, tree_order=tree_order), H, HKV, D)
     for q in qs:
         a, b = flat.attend(q, k, v, scale), tree.attend(q, k, v, scale)
         (fa,), (ta,) = flat._last, tree._last
@@ -140,3 +142,68 @@ def test_per_head_reads_equal_padded_batch(case, packing, monkeypatch):
         (acc,) = layer.debug_accounting()
         assert torch.equal(acc["coverage"], torch.ones_like(acc["coverage"]))
     assert torch.allclose(outs[0.0], outs[1e9], rtol=0, atol=1e-6)
+
+
+def _leaves(tree, node):
+    if bool(tree.is_leaf[node]):
+        return [node]
+    return [x for c in tree.children[node].tolist() if c >= 0 for x in _leaves(tree, c)]
+
+
+def test_similarity_order_puts_each_group_of_leaves_in_one_subtree():
+    """Four well-separated groups of 16 leaves, shuffled: each child of the root holds one group."""
+    g = torch.Generator().manual_seed(0)
+    M, Dl = 64, 8
+    group = torch.randperm(M, generator=g) % 4
+    cen = torch.zeros(1, M, Dl)
+    cen[0, :, 0] = 10.0 * group
+    cen = cen + 0.1 * torch.randn(1, M, Dl, generator=g)
+    perm = similarity_order(cen, 4)
+    assert sorted(perm.tolist()) == list(range(M))
+    counts = torch.full((M,), 5, dtype=torch.int64)
+    zeros = torch.zeros(1, M, Dl)
+    for order, pure in (("similar", True), ("cache", False)):
+        tree = build_tree(counts, cen.unsqueeze(2), zeros, zeros, zeros, torch.zeros(1, M), 4, order)
+        kids = tree.children[tree.root].tolist()
+        assert len(kids) == 4
+        groups = [set(group[_leaves(tree, c)].tolist()) for c in kids]
+        assert all(len(s) == 1 for s in groups) == pure
+        assert sorted(x for c in kids for x in _leaves(tree, c)) == list(range(M))
+
+
+@pytest.mark.parametrize("tree_order", ["similar", "cache"])
+def test_tree_statistics_are_exact_aggregates_of_the_leaves(case, tree_order):
+    """Whatever the leaf order, a node's count, centroid and value mean are those of its leaves."""
+    qs, k, v, scale = case
+    layer = SCSALayer(small_cfg(hierarchical=True, tree_order=tree_order), H, HKV, D)
+    layer.attend(qs[0], k, v, scale)
+    index, tree = layer.indexes[0], layer.indexes[0].tree
+    M = tree.num_leaves
+    assert torch.equal(tree.counts[:M], index.counts[:M])
+    eps = torch.finfo(torch.float32).eps
+    for node in range(M, tree.num_nodes):
+        leaves = torch.tensor(_leaves(tree, node))
+        m = index.counts[leaves].double()
+        assert int(tree.counts[node]) == int(m.sum())
+        for name, src in (("summ", index.summ[:, :, 0]), ("vmean", index.vmean)):
+            want = (src[:, leaves].double() * m.view(1, -1, 1)).sum(1) / m.sum()  # [Hkv, D]
+            got = (tree.summ[:, node, 0] if name == "summ" else tree.vmean[:, node]).double()
+            # float64 aggregation rounded once to float32: half an ulp of the largest entry
+            assert (got - want).abs().max() <= eps * src.abs().max().item(), name
+
+
+def test_similar_tree_order_scores_fewer_nodes():
+    """One KV head with pure leaves (cluster_size 16 ~ one run of a component): grouping similar
+    leaves lets the walk leave whole off-topic subtrees as one tail each."""
+    for topics in (1, 2):
+        qs, k, v, scale = attn_case(4000, 3, 1, D, seed=9, queries=4, query_seed=1, topics=topics, centers=24)
+        scored = {}
+        for order in ("similar", "cache"):
+            layer = SCSALayer(small_cfg(tau_default=0.02, tree_fanout=4, hierarchical=True, tree_order=order),
+                              3, 1, D)
+            for q in qs:
+                layer.attend(q, k, v, scale)
+                (acc,) = layer.debug_accounting()
+                assert torch.equal(acc["coverage"], torch.ones_like(acc["coverage"]))
+            scored[order] = layer.counters["clusters_scored"]
+        assert scored["similar"] < scored["cache"], (topics, scored)

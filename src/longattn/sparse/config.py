@@ -22,6 +22,10 @@ DEFAULT_TAU_GRID = (0.0,) + tuple(round(0.0025 * 2 ** (i / 2), 6) for i in range
 #   "head":  the worst query head's ||o_tau - o|| / ||o||;
 #   "group": ||O_tau - O||_F / ||O||_F over the g heads' outputs together (<= "head" always).
 CALIB_METRICS = ("head", "group")
+# How the hierarchical tree groups leaf clusters (see tree.similarity_order):
+#   "similar": leaves with similar centroids share a subtree (default);
+#   "cache":   consecutive clusters of the cache (the earlier behaviour, for comparison).
+TREE_ORDERS = ("similar", "cache")
 
 
 @dataclass(slots=True)
@@ -48,6 +52,8 @@ class SCSAConfig:
             "group" (relative error of the KV group's outputs taken together; see CALIB_METRICS).
         hierarchical: select by a best-first walk of an interval tree over the clusters.
         tree_fanout: children per internal tree node (hierarchical mode).
+        tree_order: "similar" (group leaf clusters with similar centroids, the default) or
+            "cache" (group consecutive clusters); see TREE_ORDERS.
         serial: use the slow per-cluster reference path (diagnostics, tests).
         min_context: below this many cached tokens the layer runs dense, exactly.
     """
@@ -67,6 +73,7 @@ class SCSAConfig:
     calib_metric: str = "head"
     hierarchical: bool = False
     tree_fanout: int = 4
+    tree_order: str = "similar"
     serial: bool = False
     min_context: int = 8192
 
@@ -110,5 +117,7 @@ class SCSAConfig:
             bad(f"calib_metric must be one of {', '.join(CALIB_METRICS)}, got {self.calib_metric!r}")
         if self.tree_fanout < 2:
             bad(f"tree_fanout must be >= 2, got {self.tree_fanout}")
+        if self.tree_order not in TREE_ORDERS:
+            bad(f"tree_order must be one of {', '.join(TREE_ORDERS)}, got {self.tree_order!r}")
         if self.min_context < 0:
             bad(f"min_context must be >= 0, got {self.min_context}")

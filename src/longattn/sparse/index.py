@@ -129,7 +129,7 @@ class ClusterIndex:
             M = self.num_clusters
             self.tree = build_tree(self.counts[:M], self.summ[:, :M], self.resid[:, :M],
                                    self.vmean[:, :M], self.diagvar[:, :M], self.radius[:, :M],
-                                   cfg.tree_fanout)
+                                   cfg.tree_fanout, cfg.tree_order)
         self._views()
         return built
 

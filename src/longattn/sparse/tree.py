@@ -1,7 +1,11 @@
 """A balanced interval tree over the leaf clusters of one index (hierarchical selection).
 
 Node ids: the M leaves are ``0 .. M-1`` in cluster order; level 1 follows, then level 2, ...;
-the last node is the root. A level-l node covers ``fanout`` consecutive level-(l-1) nodes.
+the last node is the root. A level-l node (l >= 2) covers ``fanout`` consecutive level-(l-1)
+nodes; a level-1 node covers ``fanout`` leaves consecutive in the tree's leaf order (by default
+``similarity_order``: leaves with similar centroids share a subtree, so an internal node's
+Gaussian summary describes one region of key space instead of a slice of the cache's timeline
+that mixes every key component).
 Internal nodes carry exactly aggregated statistics of the keys below them:
 count ``m = sum m_i``, centroid ``c = sum m_i c_i / m``, value mean likewise, and the diagonal
 variance by the law of total variance ``var = sum m_i (var_i + (c_i - c)**2) / m``.
@@ -14,7 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from .config import TREE_ORDERS
+
+POWER_STEPS = 6
 
 
 @dataclass
@@ -44,21 +53,72 @@ class ClusterTree:
         self.np_is_leaf = self.is_leaf.numpy()
 
 
+def similarity_order(centroids: torch.Tensor, fanout: int) -> np.ndarray:
+    """A leaf order in which every tree node's consecutive leaves have similar centroids.
+
+    Top-down, like a k-d tree whose cells are the tree's nodes: a node covering leaf positions
+    ``[lo, hi)`` (``fanout**l`` slots at level l) sorts its leaves by their projection on the
+    principal direction of their centroids (all KV heads' centroids concatenated, so one order
+    serves every head) and hands each child the next ``fanout**(l-1)`` of them. Grouping the result
+    bottom-up in runs of ``fanout`` (as ``build_tree`` does) reproduces exactly these cells.
+    Deterministic: the same leaves always give the same order.
+
+    Args:
+        centroids: ``[Hkv, M, D]``.
+    Returns:
+        int64 ``[M]``: leaf ids in tree order.
+    """
+    hkv, M, D = centroids.shape
+    x = centroids.double().permute(1, 0, 2).reshape(M, hkv * D).numpy()
+    perm = np.arange(M)
+    width = 1
+    while width < M:
+        width *= fanout
+    stack = [(0, M, width)]
+    while stack:
+        lo, hi, width = stack.pop()
+        w = width // fanout
+        if hi - lo <= 1 or w < 1:
+            continue
+        seg = perm[lo:hi]
+        xs = x[seg] - x[seg].mean(0)
+        v = xs[int(np.argmax((xs * xs).sum(1)))]
+        for _ in range(POWER_STEPS):
+            v = xs.T @ (xs @ v)
+            nv = np.linalg.norm(v)
+            if not nv > 0:
+                break
+            v = v / nv
+        proj = xs @ v
+        perm[lo:hi] = seg[np.argsort(proj, kind="stable")]
+        for c0 in range(lo, hi, w):
+            stack.append((c0, min(c0 + w, hi), w))
+    return perm
+
+
 def build_tree(counts: torch.Tensor, summ: torch.Tensor, resid: torch.Tensor, vmean: torch.Tensor,
-               diagvar: torch.Tensor, radius: torch.Tensor, fanout: int) -> ClusterTree:
+               diagvar: torch.Tensor, radius: torch.Tensor, fanout: int, order: str = "similar") -> ClusterTree:
     """Aggregate leaves into a tree.
 
     Args:
         counts: int64 ``[M]``; summ ``[Hkv, M, 1 + r, D]`` (centroid first); resid, vmean,
             diagvar ``[Hkv, M, D]`` (diagvar = the full covariance diagonal of each leaf);
             radius ``[Hkv, M]``. A parent's radius is ``max_i (r_i + |c_i - c|)`` over its children.
+        order: how leaves are grouped into level-1 nodes: ``"similar"`` (``similarity_order``)
+            or ``"cache"`` (cluster order, i.e. by position in the cache).
     """
     hkv, M, r1, D = summ.shape
-    lvl_counts = [counts.to(torch.float64)]
-    lvl_cen = [summ[:, :, 0].double()]
-    lvl_vm = [vmean.double()]
-    lvl_var = [diagvar.double()]
-    lvl_rad = [radius.double()]
+    if order == "similar":
+        perm = torch.from_numpy(similarity_order(summ[:, :, 0], fanout))
+    elif order == "cache":
+        perm = torch.arange(M)
+    else:
+        raise ValueError(f"tree order must be one of {TREE_ORDERS}, got {order!r}")
+    lvl_counts = [counts.to(torch.float64)[perm]]
+    lvl_cen = [summ[:, perm, 0].double()]
+    lvl_vm = [vmean[:, perm].double()]
+    lvl_var = [diagvar[:, perm].double()]
+    lvl_rad = [radius[:, perm].double()]
     sizes = [M]
     while sizes[-1] > 1:
         n_prev = sizes[-1]
@@ -93,7 +153,8 @@ def build_tree(counts: torch.Tensor, summ: torch.Tensor, resid: torch.Tensor, vm
     for lvl in range(1, len(sizes)):
         n, n_prev = sizes[lvl], sizes[lvl - 1]
         local = torch.arange(n * fanout).view(n, fanout)  # child index within level below
-        ids = torch.where(local < n_prev, local + offsets[lvl - 1], torch.full_like(local, -1))
+        below = perm[local.clamp_max(n_prev - 1)] if lvl == 1 else local + offsets[lvl - 1]
+        ids = torch.where(local < n_prev, below, torch.full_like(local, -1))
         children[offsets[lvl]:offsets[lvl] + n] = ids
 
     internal_summ = []
@@ -101,7 +162,7 @@ def build_tree(counts: torch.Tensor, summ: torch.Tensor, resid: torch.Tensor, vm
         s = summ.new_zeros(hkv, sizes[lvl], r1, D)
         s[:, :, 0] = lvl_cen[lvl].float()
         internal_summ.append(s)
-    all_counts = torch.cat(lvl_counts).round().to(torch.int64)
+    all_counts = torch.cat([counts.to(torch.float64)] + lvl_counts[1:]).round().to(torch.int64)
     is_leaf = torch.zeros(nn, dtype=torch.bool)
     is_leaf[:M] = True
     return ClusterTree(
