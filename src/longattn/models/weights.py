@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import LongattnError
+from ..ops.int8_kernel import int8_gemv
 
 WEIGHT_FORMATS = ("f32", "bf16", "int8")
 # names accepted on the command line and in the API (the old --dtype spellings included)
@@ -68,7 +69,6 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, scales_b
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if kernel == "avx2" and x.dtype == torch.float32:
-        from ..ops.int8_kernel import int8_gemv
         y = int8_gemv(x2, q, scales)
     else:
         y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), q, scales_bf16)

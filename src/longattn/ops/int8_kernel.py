@@ -2,7 +2,7 @@
 
 ``int8_gemv(x, q, s)`` computes ``x @ (q * s[:, None]).T`` with float32 activations and
 int8 weights widened in registers. It is built on first use with the machine's C++ compiler
-(torch.utils.cpp_extension + ninja, about 20 s) into ``$LONGATTN_CACHE/kernels`` and reused
+(torch.utils.cpp_extension + ninja, about 10 s) into ``$LONGATTN_CACHE/kernels`` and reused
 after. Where it cannot be used (no AVX2, no compiler, or ``LONGATTN_INT8_KERNEL=aten``) the
 caller falls back to PyTorch's ``aten._weight_int8pack_mm``; ``kernel_name()`` says which
 one runs, and benchmarks record it.
@@ -17,13 +17,15 @@ from pathlib import Path
 import torch
 
 _SOURCE = Path(__file__).parent / "csrc" / "int8_gemv.cpp"
+# torch.backends.cpu.get_cpu_capability() values whose CPUs run AVX2 + FMA code.
+AVX2_CAPABILITIES = ("AVX2", "AVX512", "AVX512_BF16", "AMX")
 _state: dict = {}
 
 
 def _build() -> bool:
     if os.environ.get("LONGATTN_INT8_KERNEL", "").lower() == "aten":
         return False
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512", "AVX512_BF16", "AMX"):
+    if torch.backends.cpu.get_cpu_capability() not in AVX2_CAPABILITIES:
         return False
     from torch.utils.cpp_extension import load
 
