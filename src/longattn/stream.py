@@ -44,7 +44,10 @@ class StreamResult:
     peak_rss_early: int = 0         # peak resident memory after the first `early_tokens`
     early_tok_s: float = 0.0        # throughput over the first quarter (after warm-up)
     late_tok_s: float = 0.0         # throughput over the last quarter
-    curve: list = field(default_factory=list)  # [(tokens, running bits/token, tok/s, cache bytes, rss)]
+    # [(tokens, running bits/token, running tok/s, cache bytes, rss, segment bits/token, segment tok/s)]
+    # where a segment is the stretch since the previous point: flatness is read from segments,
+    # since running averages hide a late slowdown behind the early ones.
+    curve: list = field(default_factory=list)
 
     @property
     def bits_per_token(self) -> float:
@@ -87,6 +90,7 @@ def stream_score(model, ids: torch.Tensor, policy, cache, chunk: int = 256,
     prev_last = None
     t0 = time.perf_counter()
     times = []  # (tokens so far, elapsed)
+    mark = (0, 0.0, 0.0, 0)  # tokens, elapsed, nll bits, scored at the previous curve point
     for s in range(0, N, chunk):
         e = min(N, s + chunk)
         x = ids[s:e][None]
@@ -109,7 +113,10 @@ def stream_score(model, ids: torch.Tensor, policy, cache, chunk: int = 256,
         el = time.perf_counter() - t0
         times.append((e, el))
         if e >= next_mark or e == N:
-            res.curve.append((e, res.bits_per_token, e / el if el else 0.0, cb, rss))
+            seg_bpt = (res.nll_bits - mark[2]) / max(1, res.scored - mark[3])
+            seg_rate = (e - mark[0]) / (el - mark[1]) if el > mark[1] else 0.0
+            res.curve.append((e, res.bits_per_token, e / el if el else 0.0, cb, rss, seg_bpt, seg_rate))
+            mark = (e, el, res.nll_bits, res.scored)
             next_mark += every
         if on_chunk:
             on_chunk(e - s, res)
