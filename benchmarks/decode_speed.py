@@ -96,44 +96,44 @@ def policies(cfg, T: int, names) -> dict:
     return {k: v for k, v in out.items() if k in names}
 
 
-def time_steps(step, first, steps: int) -> list:
-    """Per-step seconds of ``steps`` greedy steps starting from token ``first``."""
-    tok, ts = first, []
+def time_decode(prefill, step, steps: int) -> tuple:
+    """``(prefill seconds, per-step seconds)``: ``prefill() -> first token``, then ``steps``
+    greedy steps ``step(token) -> next token``, each timed alone. One loop for every engine,
+    so the arms are timed alike."""
+    t0 = time.perf_counter()
+    tok = prefill()
+    prefill_s, ts = time.perf_counter() - t0, []
     for _ in range(steps):
         t0 = time.perf_counter()
-        tok = step(tok).argmax(-1)
+        tok = step(tok)
         ts.append(time.perf_counter() - t0)
-    return ts
+    return prefill_s, ts
+
+
+def time_steps(step, first, steps: int) -> list:
+    """Per-step seconds of ``steps`` greedy longattn steps (``step(tokens [B]) -> logits``)."""
+    return time_decode(lambda: first, lambda tok: step(tok).argmax(-1), steps)[1]
 
 
 @torch.inference_mode()
 def time_hf(hf, ids, steps):
     from transformers import DynamicCache
-    x = torch.tensor([ids])
-    t0 = time.perf_counter()
-    out = hf(x, past_key_values=DynamicCache(config=hf.config), use_cache=True)
-    prefill = time.perf_counter() - t0
-    tok, ts = out.logits[:, -1].argmax(-1, keepdim=True), []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        out = hf(tok, past_key_values=out.past_key_values, use_cache=True)
-        tok = out.logits[:, -1].argmax(-1, keepdim=True)
-        ts.append(time.perf_counter() - t0)
-    return prefill, ts
+    state = {}
+
+    def run(x, past):
+        out = hf(x, past_key_values=past, use_cache=True)
+        state["past"] = out.past_key_values
+        return out.logits[:, -1].argmax(-1, keepdim=True)
+    return time_decode(lambda: run(torch.tensor([ids]), DynamicCache(config=hf.config)),
+                       lambda tok: run(tok, state["past"]), steps)
 
 
 def time_llamacpp(llm, ids, steps):
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(ids)
-    prefill = time.perf_counter() - t0
-    ts = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
+    def step(_):
         tok = llm.sample(temp=0.0)
         llm.eval([tok])
-        ts.append(time.perf_counter() - t0)
-    return prefill, ts
+    llm.reset()
+    return time_decode(lambda: llm.eval(ids), step, steps)
 
 
 def main():
@@ -146,12 +146,16 @@ def main():
                     help="formats with a compiled arm on the dense policy at T <= --hf-max only "
                          "(the same-weights comparison with transformers)")
     ap.add_argument("--policies", nargs="+", default=["dense", "window"], choices=["dense", "window"])
+    ap.add_argument("--compiled-policies", nargs="+", default=["dense", "window"], choices=["dense", "window"],
+                    help="policies with compiled arms (each compiles its own graph per T)")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--hf-max", type=int, default=2048, help="largest T for the transformers arm")
     ap.add_argument("--prefill-max", type=int, default=2048, help="largest T for per-format prefill")
     ap.add_argument("--sparse-min", type=int, default=8192, help="smallest T for the SCSA arm")
+    ap.add_argument("--static-attention", default="matmul", choices=["matmul", "flash"],
+                    help="how compiled arms read their K/V buffers (StaticDecoder attention=)")
     ap.add_argument("--bandwidth", type=float, default=None, help="bytes/s (default: measured)")
     ap.add_argument("--quick", action="store_true", help="smollm2, T=128, one repeat, 4 steps, no compile")
     ap.add_argument("--out", default=str(RESULTS / "decode_speed.json"))
@@ -196,11 +200,12 @@ def main():
                 arms = {}
                 for w, m in models.items():
                     arms[f"eager-{w}"] = (m, lambda m=m: Session(m, pol, cache=copy.deepcopy(base.cache)).step)
-                    if w in args.compiled or (w in args.compiled_dense and pname == "dense"
-                                              and T <= args.hf_max):
+                    if (w in args.compiled and pname in args.compiled_policies) or \
+                            (w in args.compiled_dense and pname == "dense" and T <= args.hf_max):
                         key = (w, pname)
                         if key not in decoders:
-                            decoders[key] = StaticDecoder(m, pol, max_len=T + args.steps + 1)
+                            decoders[key] = StaticDecoder(m, pol, max_len=T + args.steps + 1,
+                                                          attention=args.static_attention)
                             t0 = time.perf_counter()
                             decoders[key].warmup()
                             compile_s[f"{name}/{w}/{pname}"] = time.perf_counter() - t0
@@ -261,7 +266,7 @@ def main():
     RESULTS.mkdir(parents=True, exist_ok=True)
     doc = {"threads": args.threads, "steps": args.steps, "repeats": args.repeats,
            "bandwidth_bytes_s": bandwidth, "compile_seconds": compile_s,
-           "int8_kernel": int8_kernel.kernel_name(),
+           "int8_kernel": int8_kernel.kernel_name(), "static_attention": args.static_attention,
            "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
            "cpus": os.cpu_count(), "llama_cpp": getattr(llama_cpp, "__version__", None), "rows": rows}
     Path(args.out).write_text(json.dumps(doc, indent=1))

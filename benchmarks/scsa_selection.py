@@ -67,7 +67,7 @@ def mem_available_gb() -> float:
 
 
 def bench_selection(n: int, regime: str, queries: int, repeats: int, tau: float,
-                    tree_order: str = "similar") -> dict:
+                    tree_order: str = "similar", cluster_size: int = 128) -> dict:
     """Priority + selection time and summaries scored, flat vs hierarchical, one KV head."""
     spec = REGIMES[regime]
     # synthetic_cache draws its run lengths from torch's global generator: seed it, or the cache
@@ -76,7 +76,8 @@ def bench_selection(n: int, regime: str, queries: int, repeats: int, tau: float,
     cache = synthetic_cache(n, 1, HEAD_DIM, seed=7, **spec["cache"](n))
     group = QWEN_HEADS // QWEN_KV
     qs = cache.queries(queries, group, seed=3, **spec["queries"])  # [Q, 1, g, 1, D]
-    cfg = SCSAConfig(min_context=0, calib_steps=0, tau_default=tau, hierarchical=True, tree_order=tree_order)
+    cfg = SCSAConfig(min_context=0, calib_steps=0, tau_default=tau, hierarchical=True, tree_order=tree_order,
+                     cluster_size=cluster_size)
     layer = SCSALayer(cfg, group, 1, HEAD_DIM)
     t0 = time.perf_counter()
     layer.attend(qs[0], cache.k, cache.v, HEAD_DIM ** -0.5)  # builds the index and the tree
@@ -119,7 +120,7 @@ def bench_selection(n: int, regime: str, queries: int, repeats: int, tau: float,
             o = layer._output(index, full, sel, tail, v_tail, beta)
             errors[name].append(((o - dense).norm(dim=-1) / dense.norm(dim=-1)).median().item())
     out = {"n": n, "regime": regime, "clusters": index.num_clusters, "tree_nodes": index.tree.num_nodes,
-           "build_s": round(build_s, 3), "tau": tau, "tree_order": tree_order}
+           "build_s": round(build_s, 3), "tau": tau, "tree_order": tree_order, "cluster_size": cluster_size}
     for name in ("flat", "hier"):
         out[f"{name}_ms"] = round(median_ms(times[name]), 4)
         out[f"{name}_scored"] = statistics.median(scored[name])
@@ -245,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="selection sizes in rows (default: 32K..1M, --quick: 32K and 128K)")
     ap.add_argument("--tree-order", choices=TREE_ORDERS, default="similar",
                     help="how the hierarchical tree groups leaf clusters (SCSAConfig.tree_order)")
+    ap.add_argument("--cluster-size", type=int, default=128,
+                    help="leaf cluster size for part 1 (SCSAConfig.cluster_size)")
+    ap.add_argument("--name", default="scsa_selection", help="results file stem")
     ap.add_argument("--no-attend", action="store_true", help="skip part 2 (attend vs dense)")
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     args = ap.parse_args(argv)
@@ -274,13 +278,14 @@ def main(argv: list[str] | None = None) -> int:
         att_sizes = []
     results = {"meta": {"threads": args.threads, "quick": args.quick, "torch": torch.__version__,
                         "python": platform.python_version(), "machine": platform.machine(),
-                        "cpus": os.cpu_count(), "tree_order": args.tree_order, "loadavg_start": os.getloadavg(), "repeats": repeats,
+                        "cpus": os.cpu_count(), "tree_order": args.tree_order, "cluster_size": args.cluster_size,
+                        "loadavg_start": os.getloadavg(), "repeats": repeats,
                         "queries": queries},
                "selection": [], "attend": []}
     t_start = time.perf_counter()
     for n in sel_sizes:
         for regime in REGIMES:
-            r = bench_selection(n, regime, queries, repeats, args.tau, args.tree_order)
+            r = bench_selection(n, regime, queries, repeats, args.tau, args.tree_order, args.cluster_size)
             results["selection"].append(r)
             parts = [f"{name} {r[name + '_ms']:8.3f} ms ({r[name + '_scored']:.0f} scored, "
                      f"{r[name + '_opened']:.0f} opened, err {r[name + '_median_rel_err']:.3f})"
@@ -300,9 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     results["meta"]["wall_s"] = round(time.perf_counter() - t_start, 1)
     results["meta"]["loadavg_end"] = os.getloadavg()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = args.out_dir / "scsa_selection.json"
+    json_path = args.out_dir / f"{args.name}.json"
     json_path.write_text(json.dumps(results, indent=1))
-    plot(results, args.out_dir / "scsa_selection.png")
+    plot(results, json_path.with_suffix(".png"))
     print(f"wrote {json_path} and {json_path.with_suffix('.png')} ({results['meta']['wall_s']} s)")
     return 0
 

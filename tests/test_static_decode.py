@@ -42,13 +42,18 @@ def reference_and_tol(m, m64, pol, ids, n):
     return ref, 2 * (full.double() - ref).abs().max().item() + 1e-6
 
 
-CASES = [("llama", 5, 2, "f32", False), ("llama", 5, 2, "int8", False), ("gemma3", None, 0, "bf16", False),
-         ("qwen3", 3, 0, "int8", False), ("qwen2", None, 0, "f32", False),
-         ("llama", 5, 2, "int8", True), ("gemma3", None, 0, "f32", True)]
+CASES = [("llama", 5, 2, "f32", False, "matmul"), ("llama", 5, 2, "int8", False, "matmul"),
+         ("gemma3", None, 0, "bf16", False, "matmul"), ("qwen3", 3, 0, "int8", False, "matmul"),
+         ("qwen2", None, 0, "f32", False, "matmul"), ("llama", 5, 2, "int8", True, "matmul"),
+         ("gemma3", None, 0, "f32", True, "matmul"),
+         # ATen's flash kernel reading the buffers: rings with sinks, hybrid groups, bf16, compiled
+         ("llama", 5, 2, "f32", False, "flash"), ("gemma3", None, 0, "bf16", False, "flash"),
+         ("qwen2", None, 0, "int8", False, "flash"), ("llama", 5, 2, "int8", True, "flash"),
+         ("gemma3", None, 0, "f32", True, "flash")]
 
 
-@pytest.mark.parametrize("family,window,sinks,weights,compiled", CASES)
-def test_static_decode_agrees_with_reference(monkeypatch, family, window, sinks, weights, compiled):
+@pytest.mark.parametrize("family,window,sinks,weights,compiled,attention", CASES)
+def test_static_decode_agrees_with_reference(monkeypatch, family, window, sinks, weights, compiled, attention):
     monkeypatch.setattr(transformer, "WIDEN_ROWS", 1 << 30)  # forward = the decode kernels
     m, m64 = tiny(family, weights)
     pol = policy_for(m.config, window, sinks)
@@ -59,7 +64,7 @@ def test_static_decode_agrees_with_reference(monkeypatch, family, window, sinks,
         from torch._dynamo.utils import counters
         torch._dynamo.reset()
         counters.clear()
-    dec = StaticDecoder(m, pol, batch=2, max_len=32, compile=compiled)
+    dec = StaticDecoder(m, pol, batch=2, max_len=32, compile=compiled, attention=attention)
     out = decode_logits(dec, ids, n)
     err = (out.double() - ref).abs().max().item()
     assert err <= tol, f"{err:.2e} > {tol:.2e}"
@@ -67,10 +72,11 @@ def test_static_decode_agrees_with_reference(monkeypatch, family, window, sinks,
         assert counters["stats"]["unique_graphs"] == 1  # one graph for all 18 steps, no recompiles
 
 
-def test_compiled_step_never_recompiles_past_the_first():
+@pytest.mark.parametrize("options", [None, {}], ids=["cpp-wrapper", "inductor-defaults"])
+def test_compiled_step_never_recompiles_past_the_first(options):
     torch._dynamo.reset()
     m, _ = tiny("llama", "f32")
-    dec = StaticDecoder(m, policy_for(m.config, 4, 1), max_len=64, compile=True)
+    dec = StaticDecoder(m, policy_for(m.config, 4, 1), max_len=64, compile=True, inductor_options=options)
     ids = _ids(1, T=20, seed=9)
     dec.prefill(ids[:, :3])
     dec.step(ids[:, 3])
@@ -79,16 +85,17 @@ def test_compiled_step_never_recompiles_past_the_first():
             dec.step(ids[:, t])
 
 
-def test_static_batched_streams_equal_each_alone():
+@pytest.mark.parametrize("attention", ["matmul", "flash"])
+def test_static_batched_streams_equal_each_alone(attention):
     m, _ = tiny("llama", "f32")
     pol = policy_for(m.config, 4, 2)
     prompts = [_ids(1, 9, seed=1)[0].tolist(), _ids(1, 3, seed=2)[0].tolist()]
     cont = _ids(2, 6, seed=4)
-    dec = StaticDecoder(m, pol, batch=2, max_len=32, compile=False)
+    dec = StaticDecoder(m, pol, batch=2, max_len=32, compile=False, attention=attention)
     out = [dec.prefill(prompts)[:, 0]] + [dec.step(cont[:, t]) for t in range(6)]
     out = torch.stack(out, 1)
     for b in range(2):
-        alone = StaticDecoder(m, pol, batch=1, max_len=32, compile=False)
+        alone = StaticDecoder(m, pol, batch=1, max_len=32, compile=False, attention=attention)
         ref = [alone.prefill([prompts[b]])[:, 0]] + [alone.step(cont[b:b + 1, t]) for t in range(6)]
         torch.testing.assert_close(out[b], torch.stack(ref, 1)[0], rtol=0, atol=1e-5)
 
@@ -107,16 +114,19 @@ def test_static_decoder_rejects_what_it_cannot_run():
         dec.step(torch.tensor([1]))
     with pytest.raises(LongattnError, match="raise max_len"):
         StaticDecoder(m, max_len=4, compile=False).prefill([[1, 2, 3, 4, 5, 6]])
+    with pytest.raises(LongattnError, match="attention must be one of"):
+        StaticDecoder(m, compile=False, attention="sdpa")
 
 
-def test_warmup_leaves_no_trace():
+@pytest.mark.parametrize("attention", ["matmul", "flash"])
+def test_warmup_leaves_no_trace(attention):
     """A warm-up step (all streams inactive) writes only bin slots: decoding after it is
     bit-identical to decoding without it."""
     m, _ = tiny("llama", "f32")
     pol = policy_for(m.config, 4, 1)
     ids = _ids(1, T=10, seed=7)
-    cold = StaticDecoder(m, pol, max_len=16, compile=False)
-    warm = StaticDecoder(m, pol, max_len=16, compile=False)
+    cold = StaticDecoder(m, pol, max_len=16, compile=False, attention=attention)
+    warm = StaticDecoder(m, pol, max_len=16, compile=False, attention=attention)
     assert warm.warmup() > 0
     assert torch.equal(decode_logits(cold, ids, 4), decode_logits(warm, ids, 4))
 
