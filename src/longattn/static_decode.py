@@ -8,10 +8,11 @@ overhead. Here every layer's K/V lives in a buffer allocated up front:
 * windowed layers: ``sinks + window`` slots, slot = ``ring_slot(pos)`` (cache/ring.py);
 
 plus one "bin" slot per layer where padding tokens are written and which is never read
-(its position stays -1). The compiled step reads the buffers and never writes them: each
-layer attends over its whole buffer under ``allowed_mask`` (built from the slot positions)
-plus the step's own new key, in one softmax, and returns the new keys; they are written by
-index (``scatter_``) after the step. (Written inside the graph, inductor copied every buffer
+(its position stays -1). Layers with the same slot rule are stacked in one buffer per group
+(see StaticKV). The compiled step reads the buffers and never writes them: each layer attends
+over its whole buffer under ``allowed_mask`` (built from the slot positions) plus the step's
+own new key, in one softmax, and returns the new keys; they are written by index
+(``scatter_``, one per group) after the step. (Written inside the graph, inductor copied every buffer
 whole on every step.) Shapes never change and nothing branches on tensor values: one graph
 for the whole decode, no recompilation (tests/test_static_decode.py counts them).
 
@@ -52,9 +53,9 @@ class StaticKV:
     Layers with the same slot rule (full attention, or the same ring of ``sinks + window``)
     form a group. Group ``g`` holds ``kg[g], vg[g]`` of ``[L_g, B, Hkv, S_g + 1, D]`` and one
     ``posg[g]`` of ``[B, S_g + 1]`` (-1 = empty): slot positions are the same for every layer
-    of a group, so one tensor serves them all. The last slot is the padding bin. ``k[l]``,
-    ``v[l]``, ``pos[l]`` are views of layer ``l``'s part. Stacking makes the write after a step
-    one scatter per group instead of three per layer (90 small calls on a 30-layer model).
+    of a group, so one tensor serves them all. The last slot is the padding bin. Layer ``l``
+    is ``kg[g][i]`` with ``(g, i) = group_of[l]``. Stacking makes the write after a step one
+    scatter per group instead of three per layer (90 small calls on a 30-layer model).
     """
 
     def __init__(self, cfg, policy: AttentionPolicy, batch: int, max_len: int, dtype=torch.float32):
@@ -79,9 +80,6 @@ class StaticKV:
             self.kg.append(torch.zeros(len(layers), batch, cfg.num_kv_heads, cap + 1, cfg.head_dim, dtype=dtype))
             self.vg.append(torch.zeros_like(self.kg[-1]))
             self.posg.append(torch.full((batch, cap + 1), -1, dtype=torch.int64))
-        self.k = [self.kg[g][i] for g, i in self.group_of]
-        self.v = [self.vg[g][i] for g, i in self.group_of]
-        self.pos = [self.posg[g] for g, _ in self.group_of]
         self.pending: dict = {}  # layer -> (k, v) of the step being traced/run
 
     def nbytes(self) -> int:
