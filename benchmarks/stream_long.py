@@ -3,9 +3,9 @@
     python benchmarks/stream_long.py --threads 2 [--tokens 200000] [--window 1024 --sinks 4] [--reindex]
 
 Reports peak resident memory after the first 10,000 tokens and at the end (goal: within 5%),
-early vs late throughput (goal: late >= 0.9x early), the throughput of the segment ending near
-10K tokens against the last segment (flat from 10K to the end), bits/token per segment and cache
-bytes. Writes benchmarks/results/stream_long.json (or --out). Do not run beside tests or builds.
+early vs late throughput (goal: late >= 0.9x early), flatness from 10K to the end as the median
+10K-token segment rate over the last tenth against the first tenth (see segment_summary),
+bits/token per segment and cache bytes. Writes benchmarks/results/stream_long.json (or --out). Do not run beside tests or builds.
 """
 
 from __future__ import annotations

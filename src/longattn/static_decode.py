@@ -60,13 +60,11 @@ class StaticKV:
 
     def __init__(self, cfg, policy: AttentionPolicy, batch: int, max_len: int, dtype=torch.float32):
         self.batch, self.max_len = batch, max_len
-        self.rings: list = []  # per layer: (sinks, window) or None for slot = position
         self.group_of: list = []  # per layer: (group, index within the group)
-        self.group_rings: list = []  # per group: its ring or None
+        self.group_rings: list = []  # per group: (sinks, window), or None for slot = position
         members: list = []  # per group: its layers
         for layer, lp in enumerate(policy.layers):
             ring = (lp.sinks, lp.window) if lp.window is not None and lp.sinks + lp.window < max_len else None
-            self.rings.append(ring)
             if ring not in self.group_rings:
                 self.group_rings.append(ring)
                 members.append([])
@@ -133,7 +131,7 @@ class StaticKV:
         for layer, lc in enumerate(cache.layers):
             k, v, pos = lc.view()  # [B, Hkv, N, D], [B, N]
             g, i = self.group_of[layer]
-            ring, cap = self.rings[layer], self.posg[g].shape[1] - 1
+            ring, cap = self.group_rings[g], self.posg[g].shape[1] - 1
             for b in range(self.batch):
                 p = pos[b]
                 keep = p >= 0
@@ -252,8 +250,9 @@ class StaticDecoder:
             ``DEFAULT_INDUCTOR_OPTIONS`` (the C++ wrapper), ``{}`` for inductor's defaults.
         attention: how the step reads its buffers: "matmul" (two batched matmuls and a
             softmax, fused by inductor; the default) or "flash" (ATen's blocked CPU flash
-            kernel, then the step's own key merged in closed form). Measured on SmolLM2-135M
-            int8: flash 3% slower at 128 tokens, 15% slower over a 1,028-slot ring.
+            kernel, then the step's own key merged in closed form; layers with an attention
+            softcap read by matmul either way). Measured on SmolLM2-135M int8: flash 3% slower
+            at 128 tokens, 15% slower over a 1,028-slot ring.
     """
 
     def __init__(self, model, policy: Optional[AttentionPolicy] = None, batch: int = 1,
@@ -366,7 +365,7 @@ class StaticDecoder:
         """
         live = torch.ones(self.batch, dtype=torch.bool) if active is None else \
             torch.tensor(active.tolist(), dtype=torch.bool)
-        if int(self.next_pos[live].max()) >= self.max_len and any(r is None for r in self.kv.rings):
+        if int(self.next_pos[live].max()) >= self.max_len and None in self.kv.group_rings:
             raise LongattnError(f"the static decoder is full at {self.max_len} positions (raise max_len)")
         tokens = torch.tensor(tokens.tolist(), dtype=torch.int64)  # an ordinary (non-inference) tensor
         pos = torch.where(live, self.next_pos, torch.full_like(self.next_pos, -1))[:, None]
