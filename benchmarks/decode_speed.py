@@ -154,8 +154,9 @@ def main():
     ap.add_argument("--hf-max", type=int, default=2048, help="largest T for the transformers arm")
     ap.add_argument("--prefill-max", type=int, default=2048, help="largest T for per-format prefill")
     ap.add_argument("--sparse-min", type=int, default=8192, help="smallest T for the SCSA arm")
-    ap.add_argument("--static-attention", default="matmul", choices=["matmul", "flash"],
-                    help="how compiled arms read their K/V buffers (StaticDecoder attention=)")
+    ap.add_argument("--static-attention", nargs="+", default=["fused"], choices=["fused", "matmul", "flash"],
+                    help="how compiled arms read their K/V buffers (StaticDecoder attention=); the "
+                         "first is arm compiled-<format>, others compiled-<format>-<name> (an A/B)")
     ap.add_argument("--bandwidth", type=float, default=None, help="bytes/s (default: measured)")
     ap.add_argument("--quick", action="store_true", help="smollm2, T=128, one repeat, 4 steps, no compile")
     ap.add_argument("--out", default=str(RESULTS / "decode_speed.json"))
@@ -202,21 +203,21 @@ def main():
                     arms[f"eager-{w}"] = (m, lambda m=m: Session(m, pol, cache=copy.deepcopy(base.cache)).step)
                     if (w in args.compiled and pname in args.compiled_policies) or \
                             (w in args.compiled_dense and pname == "dense" and T <= args.hf_max):
-                        key = (w, pname)
-                        if key not in decoders:
-                            decoders[key] = StaticDecoder(m, pol, max_len=T + args.steps + 1,
-                                                          attention=args.static_attention)
-                            t0 = time.perf_counter()
-                            decoders[key].warmup()
-                            compile_s[f"{name}/{w}/{pname}"] = time.perf_counter() - t0
-                            print(f"  compiled {name} {w} {pname} in {compile_s[f'{name}/{w}/{pname}']:.0f} s",
-                                  flush=True)
+                        for n_att, att in enumerate(args.static_attention):
+                            key, arm = (w, pname, att), f"compiled-{w}" + (f"-{att}" if n_att else "")
+                            if key not in decoders:
+                                decoders[key] = StaticDecoder(m, pol, max_len=T + args.steps + 1, attention=att)
+                                t0 = time.perf_counter()
+                                decoders[key].warmup()
+                                label = f"{name}/{w}/{pname}" + (f"/{att}" if n_att else "")
+                                compile_s[label] = time.perf_counter() - t0
+                                print(f"  compiled {label} in {compile_s[label]:.0f} s", flush=True)
 
-                        def make(dec=decoders[key]):
-                            dec.reset(T + args.steps + 1)
-                            dec.load_cache(copy.deepcopy(base.cache))
-                            return dec.step
-                        arms[f"compiled-{w}"] = (m, make)
+                            def make(dec=decoders[key]):
+                                dec.reset(T + args.steps + 1)
+                                dec.load_cache(copy.deepcopy(base.cache))
+                                return dec.step
+                            arms[arm] = (m, make)
                 samples = {a: [] for a in arms}
                 other, prefills = {}, {}
                 for r in range(args.repeats + 1):  # round 0 warms up and is dropped
@@ -242,7 +243,7 @@ def main():
                 if name.startswith("qwen") and T >= args.sparse_min and pname == "dense":
                     samples.update(sparse_arms(models, cfg, base, first, args))
                 for arm, ts in samples.items():
-                    w = arm.split("-")[-1]
+                    w = arm.split("-")[1]  # eager-int8, compiled-int8-matmul, sparse-int8
                     row = {"model": name, "T": T, "policy": pname, "arm": arm,
                            "decode_tok_s": 1 / statistics.median(ts)}
                     if arm in prefills:

@@ -11,6 +11,7 @@ from longattn.checkpoint import load_checkpoint
 from longattn.errors import LongattnError
 from longattn.models import build_model, transformer
 from longattn.models.weights import effective_state_dict
+from longattn.ops import native
 from longattn.policy import AttentionPolicy
 from longattn.static_decode import StaticDecoder
 from test_windows import _ids
@@ -49,7 +50,12 @@ CASES = [("llama", 5, 2, "f32", False, "matmul"), ("llama", 5, 2, "int8", False,
          # ATen's flash kernel reading the buffers: rings with sinks, hybrid groups, bf16, compiled
          ("llama", 5, 2, "f32", False, "flash"), ("gemma3", None, 0, "bf16", False, "flash"),
          ("qwen2", None, 0, "int8", False, "flash"), ("llama", 5, 2, "int8", True, "flash"),
-         ("gemma3", None, 0, "f32", True, "flash")]
+         ("gemma3", None, 0, "f32", True, "flash"),
+         # longattn's fused C++ kernel (the default): f32 and int8 (f32 buffers), rings with
+         # sinks, hybrid groups, compiled; bf16 buffers fall back to matmul
+         ("llama", 5, 2, "f32", False, "fused"), ("llama", 5, 2, "int8", True, "fused"),
+         ("gemma3", None, 0, "f32", False, "fused"), ("gemma3", None, 0, "int8", True, "fused"),
+         ("qwen3", 3, 0, "int8", False, "fused"), ("qwen2", None, 0, "bf16", False, "fused")]
 
 
 @pytest.mark.parametrize("family,window,sinks,weights,compiled,attention", CASES)
@@ -65,6 +71,8 @@ def test_static_decode_agrees_with_reference(monkeypatch, family, window, sinks,
         torch._dynamo.reset()
         counters.clear()
     dec = StaticDecoder(m, pol, batch=2, max_len=32, compile=compiled, attention=attention)
+    if attention == "fused":  # the C++ kernel really runs where it is built
+        assert all(op.native for op in dec._policy.ops) == native.available()
     out = decode_logits(dec, ids, n)
     err = (out.double() - ref).abs().max().item()
     assert err <= tol, f"{err:.2e} > {tol:.2e}"
@@ -85,7 +93,7 @@ def test_compiled_step_never_recompiles_past_the_first(options):
             dec.step(ids[:, t])
 
 
-@pytest.mark.parametrize("attention", ["matmul", "flash"])
+@pytest.mark.parametrize("attention", ["fused", "matmul", "flash"])
 def test_static_batched_streams_equal_each_alone(attention):
     m, _ = tiny("llama", "f32")
     pol = policy_for(m.config, 4, 2)
@@ -118,7 +126,7 @@ def test_static_decoder_rejects_what_it_cannot_run():
         StaticDecoder(m, compile=False, attention="sdpa")
 
 
-@pytest.mark.parametrize("attention", ["matmul", "flash"])
+@pytest.mark.parametrize("attention", ["fused", "matmul", "flash"])
 def test_warmup_leaves_no_trace(attention):
     """A warm-up step (all streams inactive) writes only bin slots: decoding after it is
     bit-identical to decoding without it."""

@@ -30,6 +30,7 @@ import torch
 
 from .cache.ring import ring_slot
 from .errors import LongattnError
+from .ops import native
 from .ops.masks import allowed_mask
 from .policy import AttentionPolicy
 from .session import Session
@@ -153,18 +154,23 @@ class StaticKV:
                 self.vg[g][i, b, :, slots] = v[b, :, idx].to(self.vg[g].dtype)
 
 
-ATTENTION_KERNELS = ("matmul", "flash")
+ATTENTION_KERNELS = ("fused", "matmul", "flash")
 
 
 class _StaticOp:
     """Decode attention over a whole static buffer: mask from slot positions, no branching."""
 
-    def __init__(self, window: Optional[int], sinks: int, kernel: str = "matmul"):
+    def __init__(self, window: Optional[int], sinks: int, kernel: str = "fused"):
         self.window, self.sinks, self.kernel = window, sinks, kernel
+        self.native = kernel == "fused" and native.available()  # decided once, not while tracing
 
     def __call__(self, q, q_pos, k, v, k_pos, scale, softcap=None, layer=0, cache=None):
-        mask = allowed_mask(q_pos, k_pos, self.window, self.sinks)  # [B, 1, 1, S]
         k_new, v_new = cache.pending[layer]
+        if self.native and softcap is None and q.dtype == k.dtype == torch.float32:
+            return torch.ops.longattn_cpu.decode_attention(
+                q, k, v, k_pos, q_pos, k_new.to(k.dtype), v_new.to(v.dtype),
+                self.window or 0, self.sinks, float(scale))
+        mask = allowed_mask(q_pos, k_pos, self.window, self.sinks)  # [B, 1, 1, S]
         if self.kernel == "flash" and softcap is None:
             return attend_buffer_and_self_flash(q, k, v, mask, k_new, v_new, q_pos >= 0, scale)
         return attend_buffer_and_self(q, k, v, mask, k_new, v_new, q_pos >= 0, scale, softcap)
@@ -228,7 +234,7 @@ def attend_buffer_and_self_flash(q, k, v, mask, k_new, v_new, self_ok, scale):
 
 
 class _StaticPolicy:
-    def __init__(self, policy: AttentionPolicy, kernel: str = "matmul"):
+    def __init__(self, policy: AttentionPolicy, kernel: str = "fused"):
         self.ops = [_StaticOp(lp.window, lp.sinks, kernel) for lp in policy.layers]
 
     def op(self, i: int):
@@ -248,16 +254,18 @@ class StaticDecoder:
             another ``max_len`` reuses the graph instead of compiling a new one.
         inductor_options: ``torch.compile`` options (inductor config keys); default
             ``DEFAULT_INDUCTOR_OPTIONS`` (the C++ wrapper), ``{}`` for inductor's defaults.
-        attention: how the step reads its buffers: "matmul" (two batched matmuls and a
-            softmax, fused by inductor; the default) or "flash" (ATen's blocked CPU flash
-            kernel, then the step's own key merged in closed form; layers with an attention
-            softcap read by matmul either way). Measured on SmolLM2-135M int8: flash 3% slower
-            at 128 tokens, 15% slower over a 1,028-slot ring.
+        attention: how the step reads its buffers: "fused" (the default: longattn's C++
+            kernel, ops/csrc/decode_attention.cpp, one pass over the allowed slots with the
+            mask decided from positions inline; float32 buffers without a softcap, else it
+            reads by "matmul"), "matmul" (two batched matmuls and a softmax, fused by
+            inductor) or "flash" (ATen's blocked CPU flash kernel, then the step's own key
+            merged in closed form; softcap layers read by matmul). Measured on SmolLM2-135M
+            int8: flash 3% slower than matmul at 128 tokens, 15% slower over a 1,028-slot ring.
     """
 
     def __init__(self, model, policy: Optional[AttentionPolicy] = None, batch: int = 1,
                  max_len: int = 4096, compile: bool = True, dynamic: bool = False,
-                 inductor_options: Optional[dict] = None, attention: str = "matmul"):
+                 inductor_options: Optional[dict] = None, attention: str = "fused"):
         self.model = model
         self.policy = policy or AttentionPolicy.from_config(model.config)
         bad = sorted({lp.kind for lp in self.policy.layers} - {"window"})

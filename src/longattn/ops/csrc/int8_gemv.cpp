@@ -75,7 +75,7 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
 
 }  // namespace
 
-TORCH_LIBRARY(longattn_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(longattn_cpu, m) {
   m.def("int8_gemv(Tensor x, Tensor q, Tensor s) -> Tensor");
 }
 

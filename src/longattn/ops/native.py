@@ -1,0 +1,68 @@
+"""longattn's own CPU kernels (``csrc/*.cpp``): built once with the machine's compiler, loaded,
+or reported missing so callers fall back to PyTorch ops.
+
+All sources build into one extension (torch.utils.cpp_extension + ninja, about 20 s the first
+time) under ``$LONGATTN_CACHE/kernels/native-torch<version>-<hash of the sources>``, reused
+after; editing a source makes a new build directory, so a stale build is never loaded.
+Where it cannot be used (no AVX2, no compiler, or ``LONGATTN_NATIVE=off``) ``available()`` is
+False and every caller has a PyTorch path (see int8_kernel.py, static_decode.py).
+
+Ops (namespace ``longattn_cpu``): ``int8_gemv`` (csrc/int8_gemv.cpp) and
+``decode_attention`` (csrc/decode_attention.cpp).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+# torch.backends.cpu.get_cpu_capability() values whose CPUs run AVX2 + FMA code.
+AVX2_CAPABILITIES = ("AVX2", "AVX512", "AVX512_BF16", "AMX")
+_state: dict = {}
+
+
+def _disabled() -> bool:
+    # LONGATTN_INT8_KERNEL=aten is the older switch, kept working
+    return os.environ.get("LONGATTN_NATIVE", "").lower() == "off" or \
+        os.environ.get("LONGATTN_INT8_KERNEL", "").lower() == "aten"
+
+
+def _build() -> bool:
+    if _disabled() or torch.backends.cpu.get_cpu_capability() not in AVX2_CAPABILITIES:
+        return False
+    from torch.utils.cpp_extension import load
+
+    from ..checkpoint.paths import cache_root
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:12]
+    build = cache_root() / "kernels" / f"native-torch{torch.__version__}-{digest}"
+    build.mkdir(parents=True, exist_ok=True)
+    try:
+        load(name="longattn_native", sources=[str(p) for p in SOURCES], build_directory=str(build),
+             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
+             is_python_module=False, verbose=False)
+    except Exception as e:  # no compiler, no ninja: the PyTorch paths still work
+        warnings.warn(f"longattn: the native CPU kernels did not build ({str(e).splitlines()[0]}); "
+                      "using PyTorch ops")
+        return False
+
+    # shapes for torch.compile's tracing (the kernels run only on real tensors)
+    @torch.library.register_fake("longattn_cpu::int8_gemv")
+    def _(x, q, s):
+        return x.new_empty(x.shape[0], q.shape[0])
+
+    @torch.library.register_fake("longattn_cpu::decode_attention")
+    def _(q, k, v, k_pos, q_pos, k_new, v_new, window, sinks, scale):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+    return True
+
+
+def available() -> bool:
+    """True when the kernels are built and loaded (builds them on the first call)."""
+    if "ok" not in _state:
+        _state["ok"] = _build()
+    return _state["ok"]
