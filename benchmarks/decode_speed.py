@@ -17,7 +17,8 @@ For each model and context T (book tokens):
                              T >= 8192; eager)
   * policies: "dense" = the checkpoint's attention (Gemma 3: its trained 512-token local
     windows); "window" = window 1,024 + 4 sinks on the layers the checkpoint leaves global;
-  * transformers f32 (its own prefill) at T <= --hf-max; llama.cpp on the same GGUF file
+  * transformers f32 (its own prefill) at T <= --hf-max; llama.cpp on the same GGUF file (timed
+    in every policy's loop, alternated with its arms)
     and thread count at every T.
 Roofline: bytes one decode step must read (every weight matrix in its stored format; the K/V
 that the policy lets the step read, in float32) / step time, against this machine's memory
@@ -235,7 +236,7 @@ def main():
                         if r:
                             other.setdefault("transformers-f32", ([], []))[0].append(p)
                             other["transformers-f32"][1].extend(ts)
-                    if pname == "dense" and llm is not None:
+                    if llm is not None:  # every policy's loop: its ratios come from interleaved samples
                         p, ts = time_llamacpp(llm, ids, args.steps)
                         if r:
                             other.setdefault("llama.cpp", ([], []))[0].append(p)
@@ -293,11 +294,15 @@ def sparse_arms(models, cfg, base, first, args) -> dict:
 
 
 def add_ratios(rows) -> None:
-    """Each row's decode speed against transformers and llama.cpp at the same model and T."""
-    ref = {(r["model"], r["T"], r["arm"]): r for r in rows if r["policy"] == "dense"}
+    """Each row's decode speed against transformers and llama.cpp at the same model and T.
+
+    llama.cpp always runs its own (the checkpoint's) attention; it is timed inside every
+    policy's loop, alternated with that policy's arms, and a row is compared with the
+    llama.cpp samples of its own loop (the dense loop's where there are none)."""
+    ref = {(r["model"], r["T"], r["policy"], r["arm"]): r for r in rows}
     for r in rows:
         for other, key in (("transformers-f32", "vs_transformers"), ("llama.cpp", "vs_llamacpp")):
-            o = ref.get((r["model"], r["T"], other))
+            o = ref.get((r["model"], r["T"], r["policy"], other)) or ref.get((r["model"], r["T"], "dense", other))
             if o:
                 r[f"decode_{key}"] = r["decode_tok_s"] / o["decode_tok_s"]
                 if "prefill_tok_s" in r:

@@ -10,8 +10,9 @@ overhead. Here every layer's K/V lives in a buffer allocated up front:
 plus one "bin" slot per layer where padding tokens are written and which is never read
 (its position stays -1). Layers with the same slot rule are stacked in one buffer per group
 (see StaticKV). The compiled step reads the buffers and never writes them: each layer attends
-over its whole buffer under ``allowed_mask`` (built from the slot positions) plus the step's
-own new key, in one softmax, and returns the new keys; they are written by index
+over the slots of its buffer that ``allowed_mask``'s rule admits (decided from the slot
+positions; by default inside longattn's fused C++ kernel, ops/csrc/decode_attention.cpp) plus
+the step's own new key, in one softmax, and returns the new keys; they are written by index
 (``scatter_``, one per group) after the step. (Written inside the graph, inductor copied every buffer
 whole on every step.) Shapes never change and nothing branches on tensor values: one graph
 for the whole decode, no recompilation (tests/test_static_decode.py counts them).

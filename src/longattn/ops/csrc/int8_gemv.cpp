@@ -9,6 +9,7 @@
 // rounds them to bf16) and the result is an ordinary float32 dot product times the row scale.
 // Rows are split across threads with at::parallel_for (one contiguous block per thread).
 // (Four rows per pass sharing each activation load measured 1.2x aten, this version 1.5-2.2x.)
+// An int16-activation variant (vpmaddwd) measured no faster: the sweep is bound by memory.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -16,6 +17,12 @@
 #include <immintrin.h>
 
 namespace {
+
+// Software prefetch this many bytes ahead in the weight stream (a thread's rows are contiguous,
+// so this runs into the following rows). Whole-model sweeps of every int8 matrix, alternated
+// 15 times: 5-17% faster than without (Gemma 3 270M 15.8 -> 14.6 ms, Qwen2.5-0.5B 33.6 -> 31.9);
+// 2, 4 and 8 KiB measured alike.
+constexpr int64_t kPrefetch = 4096;
 
 inline float hsum(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -38,6 +45,7 @@ inline void row_dot(const float* x, int64_t M, int64_t K, const int8_t* w, float
     __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + k + kPrefetch), _MM_HINT_T0);
       a0 = _mm256_fmadd_ps(widen8(w + k), _mm256_loadu_ps(xr + k), a0);
       a1 = _mm256_fmadd_ps(widen8(w + k + 8), _mm256_loadu_ps(xr + k + 8), a1);
       a2 = _mm256_fmadd_ps(widen8(w + k + 16), _mm256_loadu_ps(xr + k + 16), a2);
