@@ -5,13 +5,27 @@ import torch
 
 from conftest import tiny_model
 from longattn.errors import LongattnError
-from longattn.sampling import SamplingConfig, sample
+from longattn.sampling import GREEDY_CHUNK, SamplingConfig, greedy, sample
 from longattn.session import Session, generate
 
 
 def test_greedy_is_argmax():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     assert torch.equal(sample(logits, SamplingConfig(0.0)), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("V", [262144, 151936, 49152, 16 * GREEDY_CHUNK + 7, 300])
+def test_chunked_greedy_equals_argmax_with_ties_and_nan(V):
+    """The chunked argmax returns argmax's index exactly: random rows, a maximum repeated in
+    several chunks and in the tail (the first wins), a row whose maximum is in the tail, a NaN."""
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(5, V, generator=g)
+    x[1, [V - 1, V // 2, 3]] = 50.0  # ties across chunks: index 3 wins
+    x[2, V - 1] = 60.0  # the maximum sits in the tail past the last whole chunk
+    x[3, [V // 3, V - 2]] = float("nan")
+    x[4] = x[4].round()  # many ties everywhere
+    assert torch.equal(greedy(x), x.argmax(-1))
+    assert torch.equal(greedy(x[:1]), x[:1].argmax(-1))
 
 
 def test_top_k_only_picks_top_k():

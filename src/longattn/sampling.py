@@ -26,10 +26,35 @@ class SamplingConfig:
             raise LongattnError(f"top-p must be in (0, 1], got {self.top_p}")
 
 
+GREEDY_CHUNK = 512
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """``logits [B, V]`` -> ``[B]`` int64: the first index of each row's maximum, equal to
+    ``logits.argmax(-1)`` (ties go to the first; a NaN counts as the maximum, as there).
+
+    torch's argmax walks one long row on one thread, unvectorised: 0.59 ms for Gemma 3's
+    262,144 logits here, 2-3% of a compiled decode step (``amax`` takes 23 us). Split into
+    chunks of 512 the argmaxes run per chunk and only the chunk winners are compared.
+    """
+    B, V = logits.shape
+    n = V // GREEDY_CHUNK * GREEDY_CHUNK
+    if n < 16 * GREEDY_CHUNK:
+        return logits.argmax(dim=-1)
+    head = logits[:, :n].view(B, n // GREEDY_CHUNK, GREEDY_CHUNK)
+    loc = head.argmax(-1)  # [B, chunks]
+    val = head.gather(-1, loc[..., None])[..., 0]
+    loc = loc + torch.arange(0, n, GREEDY_CHUNK)
+    if n < V:
+        tv, tl = logits[:, n:].max(-1)
+        val, loc = torch.cat([val, tv[:, None]], 1), torch.cat([loc, tl[:, None] + n], 1)
+    return loc.gather(1, val.argmax(-1, keepdim=True))[:, 0]
+
+
 def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: Optional[torch.Generator] = None) -> torch.Tensor:
     """Pick one token per row from ``logits [B, V]`` -> ``[B]`` int64."""
     if cfg.temperature == 0.0:
-        return logits.argmax(dim=-1)
+        return greedy(logits)
     x = logits.float() / cfg.temperature
     if cfg.top_k > 0:
         kth = torch.topk(x, min(cfg.top_k, x.shape[-1]), dim=-1).values[..., -1:]
