@@ -2,8 +2,8 @@
 or reported missing so callers fall back to PyTorch ops.
 
 All sources build into one extension (torch.utils.cpp_extension + ninja, about 20 s the first
-time) under ``$LONGATTN_CACHE/kernels/native-torch<version>-<hash of the sources>``, reused
-after; editing a source makes a new build directory, so a stale build is never loaded.
+time) under ``$LONGATTN_CACHE/kernels/native-torch<version>-<hash of csrc/>``, reused
+after; editing a source or header makes a new build directory, so a stale build never loads.
 Where it cannot be used (no AVX2, no compiler, or ``LONGATTN_NATIVE=off``) ``available()`` is
 False and every caller has a PyTorch path (see int8_kernel.py, static_decode.py).
 
@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = sorted(CSRC.glob("*.cpp"))
 # torch.backends.cpu.get_cpu_capability() values whose CPUs run AVX2 + FMA code.
 AVX2_CAPABILITIES = ("AVX2", "AVX512", "AVX512_BF16", "AMX")
 _state: dict = {}
@@ -38,7 +39,7 @@ def _build() -> bool:
     from torch.utils.cpp_extension import load
 
     from ..checkpoint.paths import cache_root
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.[ch]*")))).hexdigest()[:12]
     build = cache_root() / "kernels" / f"native-torch{torch.__version__}-{digest}"
     build.mkdir(parents=True, exist_ok=True)
     try:

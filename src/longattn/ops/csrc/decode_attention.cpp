@@ -24,6 +24,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "avx2_util.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -31,13 +33,7 @@
 
 namespace {
 
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
+using longattn::hsum;
 
 inline float dot(const float* a, const float* b, int64_t D) {
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();

@@ -16,6 +16,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "avx2_util.h"
+
 namespace {
 
 // Software prefetch this many bytes ahead in the weight stream (a thread's rows are contiguous,
@@ -24,13 +26,7 @@ namespace {
 // 2, 4 and 8 KiB measured alike.
 constexpr int64_t kPrefetch = 4096;
 
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
+using longattn::hsum;
 
 inline __m256 widen8(const int8_t* p) {  // 8 int8 -> 8 float32
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
