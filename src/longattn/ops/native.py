@@ -22,6 +22,7 @@ import torch
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = sorted(CSRC.glob("*.cpp"))
+HEADERS = sorted(CSRC.glob("*.h"))  # included by the sources: part of the build key
 # torch.backends.cpu.get_cpu_capability() values whose CPUs run AVX2 + FMA code.
 AVX2_CAPABILITIES = ("AVX2", "AVX512", "AVX512_BF16", "AMX")
 _state: dict = {}
@@ -39,7 +40,7 @@ def _build() -> bool:
     from torch.utils.cpp_extension import load
 
     from ..checkpoint.paths import cache_root
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.[ch]*")))).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:12]
     build = cache_root() / "kernels" / f"native-torch{torch.__version__}-{digest}"
     build.mkdir(parents=True, exist_ok=True)
     try:
