@@ -70,9 +70,6 @@ def bench_selection(n: int, regime: str, queries: int, repeats: int, tau: float,
                     tree_order: str = "similar", cluster_size: int = 128) -> dict:
     """Priority + selection time and summaries scored, flat vs hierarchical, one KV head."""
     spec = REGIMES[regime]
-    # synthetic_cache draws its run lengths from torch's global generator: seed it, or the cache
-    # (and every count below) depends on what ran before in this process.
-    torch.manual_seed(n)
     cache = synthetic_cache(n, 1, HEAD_DIM, seed=7, **spec["cache"](n))
     group = QWEN_HEADS // QWEN_KV
     qs = cache.queries(queries, group, seed=3, **spec["queries"])  # [Q, 1, g, 1, D]
@@ -134,7 +131,6 @@ def bench_selection(n: int, regime: str, queries: int, repeats: int, tau: float,
 def bench_attend(n: int, regime: str, queries: int, repeats: int, calib_steps: int) -> dict:
     """Full decode attention, SCSA (flat and hierarchical, self-calibrated) vs dense SDPA."""
     spec = REGIMES[regime]
-    torch.manual_seed(n)
     cache = synthetic_cache(n, QWEN_KV, HEAD_DIM, seed=11, **spec["cache"](n))
     beta = HEAD_DIM ** -0.5
     calib = cache.queries(calib_steps, QWEN_HEADS, seed=5, **spec["queries"])

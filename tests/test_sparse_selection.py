@@ -58,7 +58,8 @@ def test_accounting_with_partial_clusters_and_batch(case):
 @pytest.mark.parametrize("tau", [0.0, 1e-9])
 def test_flat_and_hierarchical_agree_when_fully_expanded(case, tau, tree_order):
     qs, k, v, scale = case
-    flat = SCSALayer(small_cfg(tau_default=tau), H, HKV, D)
+    # the PyTorch flat path: the same ops as the walk's (the C++ one is checked in test_sparse_native)
+    flat = SCSALayer(small_cfg(tau_default=tau, native=False), H, HKV, D)
     tree = SCSALayer(small_cfg(tau_default=tau, hierarchical=True, tree_order=tree_order), H, HKV, D)
     for q in qs:
         a, b = flat.attend(q, k, v, scale), tree.attend(q, k, v, scale)

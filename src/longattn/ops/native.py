@@ -7,8 +7,9 @@ after; editing a source or header makes a new build directory, so a stale build 
 Where it cannot be used (no AVX2, no compiler, or ``LONGATTN_NATIVE=off``) ``available()`` is
 False and every caller has a PyTorch path (see int8_kernel.py, static_decode.py).
 
-Ops (namespace ``longattn_cpu``): ``int8_gemv`` (csrc/int8_gemv.cpp) and
-``decode_attention`` (csrc/decode_attention.cpp).
+Ops (namespace ``longattn_cpu``): ``int8_gemv`` (csrc/int8_gemv.cpp),
+``decode_attention`` (csrc/decode_attention.cpp) and ``scsa_decode`` (csrc/scsa_decode.cpp, the
+sparse decode call of longattn.sparse; eager only, so it needs no fake).
 """
 
 from __future__ import annotations

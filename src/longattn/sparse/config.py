@@ -55,6 +55,9 @@ class SCSAConfig:
         tree_order: "similar" (group leaf clusters with similar centroids, the default) or
             "cache" (group consecutive clusters); see TREE_ORDERS.
         serial: use the slow per-cluster reference path (diagnostics, tests).
+        native: run flat q8_0 calls after calibration through the C++ kernel
+            (``longattn_cpu::scsa_decode``) where it is built; False keeps the PyTorch ops
+            (the reference the kernel is tested against, and an A/B arm for benchmarks).
         min_context: below this many cached tokens the layer runs dense, exactly.
     """
 
@@ -75,6 +78,7 @@ class SCSAConfig:
     tree_fanout: int = 4
     tree_order: str = "similar"
     serial: bool = False
+    native: bool = True
     min_context: int = 8192
 
     def __post_init__(self) -> None:

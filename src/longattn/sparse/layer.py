@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import LongattnError
+from ..ops import native
 from .calibrate import Calibrator, group_error
 from .config import SCSAConfig
 from .index import ClusterIndex
@@ -254,6 +255,10 @@ class SCSALayer:
             out, sel = serial_row(self.cfg, index, q_row, k_row, v_row, scale, taus)
             exact = index.exact_slots(k_row.shape[1])
             n_exact = exact[0] + k_row.shape[1] - exact[1]
+        elif self._native_applies(index, k_row, v_row):
+            out, sel = self._native_row(index, q_row, k_row, v_row, scale, taus)
+            exact = index.exact_slots(k_row.shape[1])
+            n_exact = exact[0] + k_row.shape[1] - exact[1]
         else:
             prep = self._prepare(index, q_row, k_row, v_row, scale)
             out, sel = self._sparse(index, prep, scale, taus)
@@ -265,6 +270,28 @@ class SCSALayer:
             self.counters["clusters_scored"] += sel.scored
         self._last.append((index, sel, k_row.shape[1]))
         return out.reshape(self.num_heads, self.head_dim)
+
+    def _native_applies(self, index: ClusterIndex, k_row, v_row) -> bool:
+        """The C++ kernel covers flat selection over q8_0 rows with float32 caches whose rows are
+        contiguous (the model's caches are; other layouts take the PyTorch path)."""
+        cfg = self.cfg
+        if not cfg.native or cfg.hierarchical or cfg.packing != "q8_0" or index.num_clusters == 0:
+            return False
+        D = self.head_dim
+        return all(t.dtype == torch.float32 and t.stride(-1) == 1 and t.stride(-2) == D
+                   for t in (k_row, v_row)) and native.available()
+
+    def _native_row(self, index: ClusterIndex, q_row, k_row, v_row, scale, taus):
+        """One row through ``longattn_cpu::scsa_decode``: output ``[Hkv, g, D]`` and the flat
+        selection (the same decisions as ``select_flat``, read in one native pass)."""
+        s0, s1 = index.exact_slots(k_row.shape[1])
+        st, M = index.store, index.num_clusters
+        out, opened = torch.ops.longattn_cpu.scsa_decode(
+            q_row.float(), k_row, v_row, s0, s1, index.summ, index.resid, index.log_counts, index.radius,
+            index.vmean, index.counts, M, st.ki, st.ks, st.vi, st.vs, taus.float().contiguous(), float(scale))
+        ids = torch.arange(M).expand(self.num_kv_heads, M)
+        sel = Selection(opened, ids, ~opened, self.num_kv_heads * M)
+        return out.view(self.num_kv_heads, self.group, self.head_dim), sel
 
     def _calibration_call(self, q, k, v, scale):
         """Exact output; replays every tau of the grid and records the errors."""

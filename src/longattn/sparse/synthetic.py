@@ -54,8 +54,10 @@ def synthetic_cache(n: int, num_kv_heads: int = 2, head_dim: int = 64, batch: in
     # Component of each token: runs of geometric length (mean `run`), per row and head.
     runs = n // run + 2
     comp = torch.randint(0, centers, (batch, num_kv_heads, runs), generator=g)
-    lens = torch.distributions.Geometric(probs=torch.tensor(1.0 / run)).sample((batch * num_kv_heads * runs,))
-    lens = lens.long().clamp_min(1)
+    # Geometric lengths by inverse CDF from this cache's own generator (torch.distributions would
+    # draw from the global one, making a cache depend on whatever ran before it).
+    u = torch.rand(batch * num_kv_heads * runs, generator=g).clamp_min(torch.finfo(torch.float32).tiny)
+    lens = torch.floor(torch.log(u) / torch.log1p(torch.tensor(-1.0 / run))).long().clamp_min(1)
     z = torch.empty(batch, num_kv_heads, n, dtype=torch.int64)
     flat_len = lens.view(batch, num_kv_heads, runs)
     for b in range(batch):

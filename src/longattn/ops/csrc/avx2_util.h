@@ -2,6 +2,9 @@
 #pragma once
 #include <immintrin.h>
 
+#include <cmath>
+#include <cstdint>
+
 namespace longattn {
 
 // Sum of the eight lanes of v.
@@ -11,6 +14,111 @@ inline float hsum(__m256 v) {
   lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
   lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
   return _mm_cvtss_f32(lo);
+}
+
+// a . b over D floats.
+inline float dot(const float* a, const float* b, int64_t D) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), a1);
+  }
+  for (; d + 8 <= D; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), a0);
+  float s = hsum(_mm256_add_ps(a0, a1));
+  for (; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
+inline void axpy(float a, const float* x, float* y, int64_t D) {  // y += a * x
+  const __m256 va = _mm256_set1_ps(a);
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8)
+    _mm256_storeu_ps(y + d, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + d), _mm256_loadu_ps(y + d)));
+  for (; d < D; ++d) y[d] += a * x[d];
+}
+
+// Eight sums at once: lane r of the result = sum of the 8 lanes of a[r].
+inline __m256 hsum8(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// s[r] = q . rows[r] for 8 key rows: eight independent accumulator chains (one per row) keep
+// both FMA pipes busy, and each query load serves eight rows.
+inline void dot8(const float* q, const float* const* rows, int64_t D, float* s) {
+  __m256 a[8];
+  for (int r = 0; r < 8; ++r) a[r] = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    for (int r = 0; r < 8; ++r) a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[r] + d), a[r]);
+  }
+  _mm256_storeu_ps(s, hsum8(a));
+  for (; d < D; ++d)
+    for (int r = 0; r < 8; ++r) s[r] += q[d] * rows[r][d];
+}
+
+// o[0:D] += sum_j p[j] * rows[j][0:D] over n rows, 64 columns (eight registers) at a time.
+inline void weighted_rows(const float* p, const float* const* rows, int64_t n, int64_t D, float* o) {
+  int64_t d = 0;
+  for (; d + 64 <= D; d += 64) {
+    __m256 a[8];
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_loadu_ps(o + d + 8 * i);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 w = _mm256_set1_ps(p[j]);
+      const float* r = rows[j] + d;
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 8 * i), a[i]);
+    }
+    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(o + d + 8 * i, a[i]);
+  }
+  for (; d + 8 <= D; d += 8) {
+    __m256 a = _mm256_loadu_ps(o + d);
+    for (int64_t j = 0; j < n; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(rows[j] + d), a);
+    _mm256_storeu_ps(o + d, a);
+  }
+  for (; d < D; ++d)
+    for (int64_t j = 0; j < n; ++j) o[d] += p[j] * rows[j][d];
+}
+
+// exp for x <= 0 (scores minus their max): Cody-Waite range reduction to 2^n * e^r with
+// |r| <= ln2/2 and a degree-6 polynomial for e^r (relative error ~2 ulp); x below -87 -> 0.
+inline __m256 exp_nonpos(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// In place: x[i] = exp(x[i] - m); returns the sum.
+inline float exp_shift_sum(float* x, int64_t n, float m) {
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
+    _mm256_storeu_ps(x + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float s = hsum(acc);
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - m);
+    s += x[i];
+  }
+  return s;
 }
 
 }  // namespace longattn

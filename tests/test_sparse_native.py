@@ -1,0 +1,128 @@
+"""SCSA's C++ sparse call (ops/csrc/scsa_decode.cpp) against the PyTorch path and the float64
+serial reference: same clusters opened, same counters, every key counted once, output within a
+derived tolerance, for several head layouts, q8 block widths, thresholds and thread counts.
+
+Tolerance, derived: the kernel computes what the PyTorch path computes (same quantized query,
+same integer block dots, same tails), in another summation order and with an exp polynomial of
+2 ulp relative error on each weight. So against the float64 serial path it may be off by twice
+the PyTorch float32 path's own error plus 2 * 2**-23 * max|v| (the output is a convex
+combination of value rows and value means, all bounded by max|v|)."""
+
+import pytest
+import torch
+
+import longattn.sparse.layer as layer_mod
+from longattn.ops import native
+from longattn.sparse import SCSALayer
+from sparse_fixtures import attn_case, one_thread, small_cfg  # noqa: F401
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="needs the AVX2 kernels (x86)")
+
+EPS32 = 2.0 ** -23
+
+
+def layers(H, HKV, D, **kw):
+    """(native, PyTorch, serial float64) layers with one config."""
+    return [SCSALayer(small_cfg(**kw, native=n, serial=s), H, HKV, D) for n, s in
+            ((True, False), (False, False), (False, True))]
+
+
+def run(layer, q, k, v, scale):
+    out = layer.attend(q, k, v, scale)
+    return out, layer._last[-1][1]
+
+
+def check_case(H, HKV, D, n, tau, seed=0, queries=2, **kw):
+    qs, k, v, scale = attn_case(n, H, HKV, D, seed=seed, queries=queries, query_seed=seed + 1, centers=12)
+    fast, torch_path, slow = layers(H, HKV, D, tau_default=tau, **kw)
+    vmax = v.abs().max().item()
+    for q in qs:
+        a, sa = run(fast, q, k, v, scale)
+        b, sb = run(torch_path, q, k, v, scale)
+        ref, sr = run(slow, q, k, v, scale)
+        assert torch.equal(sa.opened, sb.opened) and torch.equal(sa.opened, sr.opened)
+        assert torch.equal(sa.tail_mask, sb.tail_mask)
+        tol = 2 * (b.double() - ref.double()).abs().max().item() + 2 * EPS32 * vmax
+        err = (a.double() - ref.double()).abs().max().item()
+        assert err <= tol, f"{err:.3e} > {tol:.3e}"
+        (acc,) = fast.debug_accounting()
+        assert torch.equal(acc["coverage"], torch.ones_like(acc["coverage"]))
+    assert fast.counters == torch_path.counters
+    return fast
+
+
+@pytest.mark.parametrize("H,HKV,D", [(14, 2, 64), (4, 1, 256), (6, 3, 48), (4, 2, 40), (8, 8, 32)])
+@pytest.mark.parametrize("tau", [0.0, 0.01, 0.1, 0.5])
+def test_matches_torch_path_and_serial(H, HKV, D, tau):
+    check_case(H, HKV, D, 700, tau, cluster_size=24)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_threads_split_the_opened_clusters(threads):
+    torch.set_num_threads(threads)  # the autouse one_thread fixture restores it
+    layer = check_case(14, 2, 64, 1500, 0.02, seed=3, cluster_size=16)
+    assert 0 < layer.counters["opened_rows"]
+
+
+def test_native_path_runs_and_partial_selection(monkeypatch):
+    calls = []
+    real = SCSALayer._native_row
+
+    def spy(self, *a, **kw):
+        calls.append(1)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(SCSALayer, "_native_row", spy)
+    layer = check_case(14, 2, 64, 1200, 0.05, seed=4, cluster_size=16)
+    assert len(calls) == 2
+    M = layer.indexes[0].num_clusters
+    opened = layer.counters["opened_rows"]
+    assert 0 < opened < 2 * 2 * M * 16  # some clusters opened, not all
+
+
+def test_strided_cache_rows_and_batch_rows():
+    """Rows of a larger capacity buffer (the model's growing cache) and two batch rows with
+    different caches: each row equals its own contiguous single-row call."""
+    H, HKV, D, n = 6, 2, 32, 900
+    qs, k, v, scale = attn_case(n, H, HKV, D, seed=7, queries=2, query_seed=2, centers=10)
+    cap_k = torch.zeros(2, HKV, n + 77, D)
+    cap_v = torch.zeros_like(cap_k)
+    cap_k[0, :, :n], cap_v[0, :, :n] = k[0], v[0]
+    cap_k[1, :, :n], cap_v[1, :, :n] = k[0].flip(1), v[0].flip(1)
+    q = torch.cat([qs[0], qs[1]])
+    batched = SCSALayer(small_cfg(tau_default=0.03, cluster_size=24), H, HKV, D)
+    out = batched.attend(q, cap_k[:, :, :n], cap_v[:, :, :n], scale)
+    for b in range(2):
+        single = SCSALayer(small_cfg(tau_default=0.03, cluster_size=24), H, HKV, D)
+        ref = single.attend(q[b:b + 1], cap_k[b:b + 1, :, :n].contiguous(), cap_v[b:b + 1, :, :n].contiguous(), scale)
+        assert torch.equal(out[b:b + 1], ref)
+
+
+def test_other_packings_and_hierarchical_keep_the_torch_path(monkeypatch):
+    monkeypatch.setattr(SCSALayer, "_native_row", lambda *a, **kw: pytest.fail("native path taken"))
+    qs, k, v, scale = attn_case(600, 4, 2, 32, seed=1, queries=1)
+    for kw in (dict(packing="f16"), dict(packing="f32"), dict(hierarchical=True), dict(native=False)):
+        SCSALayer(small_cfg(tau_default=0.05, **kw), 4, 2, 32).attend(qs[0], k, v, scale)
+    SCSALayer(small_cfg(tau_default=0.05), 4, 2, 32).attend(qs[0], k.bfloat16(), v.bfloat16(), scale)
+
+
+def test_kernel_rejects_bad_inputs():
+    layer = SCSALayer(small_cfg(tau_default=0.05), 4, 2, 32)
+    qs, k, v, scale = attn_case(600, 4, 2, 32, seed=1, queries=1)
+    layer.attend(qs[0], k, v, scale)
+    index = layer.indexes[0]
+    st = index.store
+    args = [qs[0][0, :, 0], k[0], v[0], 4, 500, index.summ, index.resid, index.log_counts, index.radius,
+            index.vmean, index.counts, index.num_clusters, st.ki, st.ks, st.vi, st.vs, layer.taus, scale]
+    torch.ops.longattn_cpu.scsa_decode(*args)  # the valid call
+    for i, bad, needle in ((1, k[0].double(), "float32"), (4, 10_000, "s0 <= s1 <= N"),
+                           (11, index.summ.shape[1] + 1, "C >= M"), (16, torch.zeros(3), "taus")):
+        wrong = list(args)
+        wrong[i] = bad
+        with pytest.raises(RuntimeError, match=needle):
+            torch.ops.longattn_cpu.scsa_decode(*wrong)
+
+
+def test_native_layer_module_imports_the_kernel_lazily():
+    """Importing the sparse package never builds the kernels (the check runs at the first call)."""
+    assert layer_mod.native is native
