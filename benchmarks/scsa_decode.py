@@ -6,6 +6,10 @@ For each context length L (nested: one prefill grows the cache from length to le
     the dense arm's tokens: 32 calibration steps, then 96 timed steps; per-step greedy
     agreement = argmax(sparse logits) == dense token.
 Then a sustained row at the longest L (--sustained steps, crossing a maintenance boundary).
+The eager dense arm reads its cache with the fused C++ decode kernel (as the library's
+Session does where the kernel is built); ``--static-dense`` adds the compiled static-shape
+dense step (StaticDecoder, one dynamic-length graph) on the same cache and tokens, the
+fastest dense decode longattn has, so SCSA is also compared against that.
 
     python benchmarks/scsa_decode.py --threads 2 [--contexts 1024 4096 8192 16384 32768]
 
@@ -29,9 +33,11 @@ from longattn.cache import KVCache  # noqa: E402
 from longattn.checkpoint import load_checkpoint  # noqa: E402
 from longattn.data import all_books_text  # noqa: E402
 from longattn.models import build_model  # noqa: E402
+from longattn.ops import native  # noqa: E402
 from longattn.policy import AttentionPolicy  # noqa: E402
 from longattn.sparse import SCSAConfig  # noqa: E402
 from longattn.sparse_policy import build_sparse_policy, sparse_ops  # noqa: E402
+from longattn.static_decode import StaticDecoder  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -52,6 +58,18 @@ def run_dense(model, cache, policy, first_tok, steps):
         toks.append(int(tok))
         tok = logits.argmax()
     return toks, times
+
+
+def run_static(dec, cache, forced):
+    """Static dense step over a copy of ``cache``, teacher-forced: per-step seconds."""
+    dec.reset(cache.next_pos.item() + len(forced) + 1)
+    dec.load_cache(cache)
+    times = []
+    for t in forced:
+        t0 = time.perf_counter()
+        dec.step(torch.tensor([t]))
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def run_sparse(model, cache, policy, forced, calib):
@@ -80,6 +98,8 @@ def main():
                          "shrink, a smaller part of a step)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--static-dense", action="store_true",
+                    help="also time the compiled static dense step (one dynamic graph, compiled once)")
     ap.add_argument("--out", default=str(RESULTS / "scsa_decode.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -89,6 +109,10 @@ def main():
     dense_pol = AttentionPolicy.from_config(ck.config)
     cache = KVCache(ck.config, 1)
     steps = args.calib + args.timed
+    dec = None
+    if args.static_dense:
+        dec = StaticDecoder(model, dense_pol, max_len=max(args.contexts) + steps + 1, dynamic=True)
+        print(f"static dense step compiled in {dec.warmup():.0f} s", file=sys.stderr, flush=True)
     rows, filled = [], 0
     prefill_s = 0.0
     for L in sorted(args.contexts):
@@ -110,15 +134,19 @@ def main():
         truncate(cache, L)
         d = statistics.median(d_times[args.calib:])
         s = statistics.median(s_times[args.calib:])
+        st = statistics.median(run_static(dec, cache, toks)[args.calib:]) if dec is not None else None
         cnt = {k: sum(op.scsa.counters[k] for op in sparse_ops(sp_pol)) for k in
                ("opened_rows", "exact_rows", "clusters_scored", "calls", "rebuilds")}
         taus = [t for op in sparse_ops(sp_pol) for t in op.scsa.taus.tolist()]
         row = {"context": L, "dense_tok_s": 1 / d, "sparse_tok_s": 1 / s, "speedup": d / s,
                "agreement": sum(agree) / len(agree), "steps_timed": args.timed, "calib_steps": args.calib,
                "counters": cnt, "tau_median": statistics.median(taus), "tau_min": min(taus)}
+        if st is not None:
+            row.update(static_dense_tok_s=1 / st, speedup_vs_static_dense=st / s)
         rows.append(row)
         print(f"L={L:>6}  dense {1 / d:6.2f} tok/s  sparse {1 / s:6.2f} tok/s  {d / s:5.2f}x  "
-              f"agreement {100 * row['agreement']:5.1f}%  tau median {row['tau_median']:.3f}", flush=True)
+              f"agreement {100 * row['agreement']:5.1f}%  tau median {row['tau_median']:.3f}"
+              + (f"  static dense {1 / st:6.2f} tok/s ({st / s:.2f}x)" if st is not None else ""), flush=True)
     sustained = None
     if args.sustained:
         L = max(args.contexts)
@@ -139,6 +167,8 @@ def main():
               f"{100 * sustained['agreement']:.1f}%, rebuilds {reb}", flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = {"model": args.model, "weights": args.weights, "threads": args.threads, "packing": args.packing,
+           "dense_read": "fused" if native.available() else "matmul", "scsa_kernel":
+               "native" if native.available() else "torch",
            "tolerance": args.tolerance, "metric": args.metric, "rows": rows, "sustained": sustained, "prefill_seconds": prefill_s}
     Path(args.out).write_text(json.dumps(out, indent=1))
     try:

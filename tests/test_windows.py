@@ -188,7 +188,8 @@ def test_mask_memo_shared_across_layers_fresh_per_step():
     new positions, builds it again and matches a policy that never reuses a mask."""
     m = tiny_model("gemma3")
     L = m.config.num_layers
-    pol, ref_pol = AttentionPolicy.from_config(m.config), AttentionPolicy.from_config(m.config)
+    # decode steps read by the matmul form (the fused C++ read builds no mask at all)
+    pol, ref_pol = (AttentionPolicy.from_config(m.config, fused_decode=False) for _ in range(2))
     groups = len({(lp.window, lp.sinks) for lp in pol.layers})
     assert 1 < groups < L  # local (window 8) and global layers
     ids = _ids(1, 14, seed=3)  # 14 <= 16 tokens: every layer takes the masked path
@@ -211,12 +212,12 @@ def test_mask_memo_sees_positions_rewritten_in_place():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, n, 8, generator=g) for n in (1, 10, 10))
     q_pos, k_pos = torch.tensor([[9]]), torch.arange(10)[None]
-    op = WindowOp(LayerPolicy("window", 4, 1))
+    op = WindowOp(LayerPolicy("window", 4, 1), fused_decode=False)  # the masked (memo) path
     before = op(q, q_pos, k, v, k_pos, scale=0.35)
     q_pos.add_(1)
     k_pos.add_(1)
     after = op(q, q_pos, k, v, k_pos, scale=0.35)
     assert op.masks.misses == 2 and op.masks.hits == 0
-    assert torch.equal(after, WindowOp(op.lp)(q, q_pos, k, v, k_pos, scale=0.35))
+    assert torch.equal(after, WindowOp(op.lp, fused_decode=False)(q, q_pos, k, v, k_pos, scale=0.35))
     assert not torch.equal(after, before)
     assert torch.equal(op(q, q_pos, k, v, k_pos.clone(), scale=0.35), after) and op.masks.hits == 1

@@ -13,9 +13,7 @@ from typing import Optional
 import torch
 
 from .errors import LongattnError
-from .ops.dense import masked_attention
-from .ops.masks import allowed_mask
-from .policy import AttentionPolicy, LayerPolicy, register_op
+from .policy import AttentionPolicy, LayerPolicy, WindowOp, register_op
 from .sparse import SCSAConfig, SCSALayer
 
 
@@ -27,13 +25,14 @@ class SparseOp:
         self.cfg = policy.sparse_config or SCSAConfig()
         self.layer_index = layer
         self.scsa: Optional[SCSALayer] = None
+        # Prefill, and decode below min_context, take the very same op as a dense layer
+        # (bit-identical); SCSA only ever sees long decode steps.
+        self.dense = WindowOp(LayerPolicy("window", None, 0), None, policy.masks, policy.fused_decode)
 
     def __call__(self, q, q_pos, k, v, k_pos, scale, softcap=None, layer=0, cache=None):
         B, H, Tq, D = q.shape
-        # Prefill, and decode below min_context, take the very same dense path as a dense
-        # layer (bit-identical); SCSA only ever sees long decode steps.
         if Tq > 1 or softcap is not None or cache is None or k.shape[2] < self.cfg.min_context:
-            return masked_attention(q, k, v, allowed_mask(q_pos, k_pos, None, 0), scale, softcap)
+            return self.dense(q, q_pos, k, v, k_pos, scale, softcap, layer, cache)
         if self.scsa is None:
             self.scsa = SCSALayer(self.cfg, H, k.shape[1], D, layer_index=self.layer_index)
         # SCSA reads the append-only cache slot i = i-th token; padding slots would break that.

@@ -2,10 +2,13 @@
 // pass over the buffer, for x86 CPUs with AVX2 + FMA.
 //
 //   q      [B, H, 1, D]    float32   the step's queries (H = Hkv * G query heads)
-//   k, v   [B, Hkv, S, D]  float32   the layer's buffer (slots in any order)
+//   k, v   [B, Hkv, S, D]  float32   the layer's buffer (slots in any order; rows contiguous,
+//                                    batch/head strides free, so a growing cache's view reads
+//                                    in place)
 //   k_pos  [B, S]          int64     absolute position per slot, -1 = empty
 //   q_pos  [B, 1]          int64     the query's position, -1 = padding (output zeros)
-//   k_new, v_new [B, Hkv, 1, D]      the step's own key and value (not in the buffer yet)
+//   k_new, v_new [B, Hkv, 1, D]      the step's own key and value (not in the buffer yet), or
+//                [B, Hkv, 0, D]      none: the buffer already holds it (the eager cache)
 //   window, sinks                    slot j is read when 0 <= pos_j <= pos_q and
 //                                    (window <= 0 or pos_q - pos_j < window or pos_j < sinks)
 //   -> [B, H, 1, D] = softmax over (allowed slots + own key) of q.k * scale, times V.
@@ -55,11 +58,16 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "decode_attention: query heads must be a multiple of KV heads");
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == D, "decode_attention: k/v shapes");
   TORCH_CHECK(k_new.sizes() == v_new.sizes() && k_new.size(0) == B && k_new.size(1) == Hkv &&
-              k_new.size(2) == 1 && k_new.size(3) == D, "decode_attention: k_new/v_new shapes");
+              k_new.size(2) <= 1 && k_new.size(3) == D, "decode_attention: k_new/v_new shapes");
+  const bool has_new = k_new.size(2) == 1;
   TORCH_CHECK(k_pos.dim() == 2 && k_pos.size(0) == B && k_pos.size(1) == S, "decode_attention: k_pos [B, S]");
   TORCH_CHECK(q_pos.numel() == B, "decode_attention: q_pos [B, 1]");
   const int64_t G = H / Hkv;
-  const auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  // rows must be contiguous; whole-tensor contiguity is not needed (no copy of a cache view)
+  const auto rows_ok = [D](const at::Tensor& t) { return t.stride(3) == 1 && t.stride(2) == D; };
+  const auto qc = q.contiguous();
+  const auto kc = rows_ok(k) ? k : k.contiguous(), vc = rows_ok(v) ? v : v.contiguous();
+  const int64_t ksb = kc.stride(0), ksh = kc.stride(1), vsb = vc.stride(0), vsh = vc.stride(1);
   const auto knc = k_new.contiguous(), vnc = v_new.contiguous();
   const auto kpc = k_pos.contiguous(), qpc = q_pos.contiguous();
   const float* qp = qc.data_ptr<float>();
@@ -105,8 +113,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       scores.resize(G * n);
       krow.resize(n);
       vrow.resize(n);
-      const float* kh = kp + (b * Hkv + h) * S * D;
-      const float* vh = vp + (b * Hkv + h) * S * D;
+      const float* kh = kp + b * ksb + h * ksh;
+      const float* vh = vp + b * vsb + h * vsh;
       for (int64_t j = 0; j < n; ++j) {
         krow[j] = kh + idx[j] * D;
         vrow[j] = vh + idx[j] * D;
@@ -147,7 +155,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qp + (b * H + h * G + g) * D;
       float* o = yp + (b * H + h * G + g) * D;
-      const float sn = qposp[b] >= 0 ? dot(qg, kn, D) * sc : kNegInf;
+      const float sn = has_new && qposp[b] >= 0 ? dot(qg, kn, D) * sc : kNegInf;
       float m = sn;
       for (int64_t c = 0; c < chunks; ++c) m = std::max(m, part[((bh * chunks + c) * G + g) * (D + 2)]);
       std::fill(o, o + D, 0.0f);
