@@ -9,7 +9,9 @@ Then a sustained row at the longest L (--sustained steps, crossing a maintenance
 The eager dense arm reads its cache with the fused C++ decode kernel (as the library's
 Session does where the kernel is built); ``--static-dense`` adds the compiled static-shape
 dense step (StaticDecoder, one dynamic-length graph) on the same cache and tokens, the
-fastest dense decode longattn has, so SCSA is also compared against that.
+fastest dense decode longattn has, and ``--static-sparse`` SCSA inside that compiled step
+(static_sparse.py; fresh indexes and calibration per context, teacher-forced alike), so
+SCSA is compared engine for engine. ``--skip-eager-sparse`` leaves the eager SCSA arm out.
 
     python benchmarks/scsa_decode.py --threads 2 [--contexts 1024 4096 8192 16384 32768]
 
@@ -72,6 +74,32 @@ def run_static(dec, cache, forced):
     return times
 
 
+def run_static_sparse(dec, cache, forced, calib):
+    """SCSA inside the static step (fresh indexes and calibration), teacher-forced:
+    ``(agreement list, per-step seconds)``."""
+    dec.sparse.clear()
+    dec.reset(cache.next_pos.item() + len(forced) + 1)
+    dec.load_cache(cache)
+    agree, times = [], []
+    for i, t in enumerate(forced):
+        t0 = time.perf_counter()
+        logits = dec.step(torch.tensor([t]))[0]
+        times.append(time.perf_counter() - t0)
+        if i + 1 < len(forced) and i >= calib:
+            agree.append(int(logits.argmax()) == forced[i + 1])
+    return agree, times
+
+
+def make_sparse_policy(cfg, args):
+    return build_sparse_policy(cfg, SCSAConfig(min_context=0, calib_steps=args.calib, tolerance=args.tolerance,
+                                               packing=args.packing, calib_metric=args.metric))
+
+
+def counters_of(layers) -> dict:
+    return {k: sum(sc.counters[k] for sc in layers) for k in
+            ("opened_rows", "exact_rows", "clusters_scored", "calls", "rebuilds")}
+
+
 def run_sparse(model, cache, policy, forced, calib):
     agree, times = [], []
     for i, t in enumerate(forced):
@@ -100,6 +128,10 @@ def main():
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--static-dense", action="store_true",
                     help="also time the compiled static dense step (one dynamic graph, compiled once)")
+    ap.add_argument("--static-sparse", action="store_true",
+                    help="also run SCSA inside the compiled static step (one dynamic graph, compiled once)")
+    ap.add_argument("--skip-eager-sparse", action="store_true",
+                    help="leave out the eager SCSA arm (with --static-sparse)")
     ap.add_argument("--out", default=str(RESULTS / "scsa_decode.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -113,6 +145,51 @@ def main():
     if args.static_dense:
         dec = StaticDecoder(model, dense_pol, max_len=max(args.contexts) + steps + 1, dynamic=True)
         print(f"static dense step compiled in {dec.warmup():.0f} s", file=sys.stderr, flush=True)
+    sdec = None
+    if args.static_sparse:
+        sdec = StaticDecoder(model, make_sparse_policy(ck.config, args), max_len=max(args.contexts) + steps + 1,
+                             dynamic=True)
+        print(f"static sparse step compiled in {sdec.warmup():.0f} s", file=sys.stderr, flush=True)
+    def arms_at(L: int, n_steps: int) -> dict:
+        """Every arm from the same L-token cache, teacher-forced with the eager dense tokens."""
+        first = torch.tensor(ids[L])
+        toks, d_times = run_dense(model, cache, dense_pol, first, n_steps)
+        truncate(cache, L)
+        d = statistics.median(d_times[args.calib:])
+        row = {"context": L, "steps": n_steps - args.calib, "calib_steps": args.calib, "dense_tok_s": 1 / d}
+        msg = f"L={L:>6} x {n_steps - args.calib}  dense {1 / d:6.2f} tok/s"
+        if not args.skip_eager_sparse:
+            sp_pol = make_sparse_policy(ck.config, args)
+            agree, s_times = run_sparse(model, cache, sp_pol, toks, args.calib)
+            truncate(cache, L)
+            s = statistics.median(s_times[args.calib:])
+            layers = [op.scsa for op in sparse_ops(sp_pol)]
+            taus = [t for sc in layers for t in sc.taus.tolist()]
+            row.update(sparse_tok_s=1 / s, speedup=d / s, agreement=sum(agree) / len(agree),
+                       counters=counters_of(layers), tau_median=statistics.median(taus), tau_min=min(taus),
+                       sparse_step_p90_s=sorted(s_times[args.calib:])[int(0.9 * (n_steps - args.calib))])
+            msg += (f" | SCSA {1 / s:6.2f} tok/s {d / s:5.2f}x agreement {100 * row['agreement']:5.1f}% "
+                    f"tau median {row['tau_median']:.3f}")
+        if dec is not None:
+            st = statistics.median(run_static(dec, cache, toks)[args.calib:])
+            row["static_dense_tok_s"] = 1 / st
+            msg += f" | static dense {1 / st:6.2f} tok/s"
+        if sdec is not None:
+            agree, ss_times = run_static_sparse(sdec, cache, toks, args.calib)
+            ss = statistics.median(ss_times[args.calib:])
+            layers = list(sdec.sparse.layers.values())
+            taus = [t for sc in layers for t in sc.taus.tolist()]
+            row.update(static_sparse_tok_s=1 / ss, static_sparse_agreement=sum(agree) / len(agree),
+                       static_sparse_counters=counters_of(layers), static_sparse_tau_median=statistics.median(taus),
+                       static_sparse_step_p90_s=sorted(ss_times[args.calib:])[int(0.9 * (n_steps - args.calib))],
+                       static_sparse_vs_dense=d / ss)
+            msg += f" | static SCSA {1 / ss:6.2f} tok/s agreement {100 * row['static_sparse_agreement']:5.1f}%"
+            if dec is not None:
+                row["static_sparse_vs_static_dense"] = st / ss
+                msg += f" ({st / ss:.2f}x static dense)"
+        print(msg, flush=True)
+        return row
+
     rows, filled = [], 0
     prefill_s = 0.0
     for L in sorted(args.contexts):
@@ -124,47 +201,9 @@ def main():
             print(f"\rprefill {filled}/{L}", end="", file=sys.stderr, flush=True)
         prefill_s += time.perf_counter() - t0
         print(file=sys.stderr)
-        first = torch.tensor(ids[L])
-        toks, d_times = run_dense(model, cache, dense_pol, first, steps)
-        truncate(cache, L)
-        sp_pol = build_sparse_policy(ck.config, SCSAConfig(min_context=0, calib_steps=args.calib,
-                                                           tolerance=args.tolerance, packing=args.packing,
-                                                           calib_metric=args.metric))
-        agree, s_times = run_sparse(model, cache, sp_pol, toks, args.calib)
-        truncate(cache, L)
-        d = statistics.median(d_times[args.calib:])
-        s = statistics.median(s_times[args.calib:])
-        st = statistics.median(run_static(dec, cache, toks)[args.calib:]) if dec is not None else None
-        cnt = {k: sum(op.scsa.counters[k] for op in sparse_ops(sp_pol)) for k in
-               ("opened_rows", "exact_rows", "clusters_scored", "calls", "rebuilds")}
-        taus = [t for op in sparse_ops(sp_pol) for t in op.scsa.taus.tolist()]
-        row = {"context": L, "dense_tok_s": 1 / d, "sparse_tok_s": 1 / s, "speedup": d / s,
-               "agreement": sum(agree) / len(agree), "steps_timed": args.timed, "calib_steps": args.calib,
-               "counters": cnt, "tau_median": statistics.median(taus), "tau_min": min(taus)}
-        if st is not None:
-            row.update(static_dense_tok_s=1 / st, speedup_vs_static_dense=st / s)
-        rows.append(row)
-        print(f"L={L:>6}  dense {1 / d:6.2f} tok/s  sparse {1 / s:6.2f} tok/s  {d / s:5.2f}x  "
-              f"agreement {100 * row['agreement']:5.1f}%  tau median {row['tau_median']:.3f}"
-              + (f"  static dense {1 / st:6.2f} tok/s ({st / s:.2f}x)" if st is not None else ""), flush=True)
-    sustained = None
-    if args.sustained:
-        L = max(args.contexts)
-        first = torch.tensor(ids[L])
-        toks, d_times = run_dense(model, cache, dense_pol, first, args.sustained)
-        truncate(cache, L)
-        sp_pol = build_sparse_policy(ck.config, SCSAConfig(min_context=0, calib_steps=args.calib,
-                                                           tolerance=args.tolerance, packing=args.packing,
-                                                           calib_metric=args.metric))
-        agree, s_times = run_sparse(model, cache, sp_pol, toks, args.calib)
-        truncate(cache, L)
-        reb = sum(op.scsa.counters["rebuilds"] for op in sparse_ops(sp_pol))
-        d, s = statistics.median(d_times[args.calib:]), statistics.median(s_times[args.calib:])
-        sustained = {"context": L, "steps": args.sustained, "dense_tok_s": 1 / d, "sparse_tok_s": 1 / s,
-                     "speedup": d / s, "agreement": sum(agree) / len(agree), "rebuilds": reb,
-                     "sparse_step_p90_s": sorted(s_times)[int(0.9 * len(s_times))]}
-        print(f"sustained L={L} x {args.sustained} steps: {d / s:.2f}x, agreement "
-              f"{100 * sustained['agreement']:.1f}%, rebuilds {reb}", flush=True)
+        rows.append(arms_at(L, steps))
+    # the longest context again for --sustained steps (crossing index maintenance passes)
+    sustained = arms_at(max(args.contexts), args.calib + args.sustained) if args.sustained else None
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = {"model": args.model, "weights": args.weights, "threads": args.threads, "packing": args.packing,
            "dense_read": "fused" if native.available() else "matmul", "scsa_kernel":
@@ -177,12 +216,18 @@ def main():
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(1, 2, figsize=(10, 4))
         xs = [r["context"] for r in rows]
-        ax[0].plot(xs, [r["dense_tok_s"] for r in rows], "o-", label="dense")
-        ax[0].plot(xs, [r["sparse_tok_s"] for r in rows], "s-", label="SCSA")
+        for key, label, mark in (("dense_tok_s", "dense (eager)", "o-"), ("sparse_tok_s", "SCSA (eager)", "s-"),
+                                 ("static_dense_tok_s", "dense (static, compiled)", "o--"),
+                                 ("static_sparse_tok_s", "SCSA (static, compiled)", "s--")):
+            if key in rows[0]:
+                ax[0].plot(xs, [r[key] for r in rows], mark, label=label)
         ax[0].set_xscale("log", base=2); ax[0].set_xlabel("context"); ax[0].set_ylabel("decode tok/s")
         ax[0].legend()
-        ax[1].plot(xs, [100 * r["agreement"] for r in rows], "o-")
+        for key, label in (("agreement", "SCSA (eager)"), ("static_sparse_agreement", "SCSA (static)")):
+            if key in rows[0]:
+                ax[1].plot(xs, [100 * r[key] for r in rows], "o-", label=label)
         ax[1].set_xscale("log", base=2); ax[1].set_xlabel("context"); ax[1].set_ylabel("greedy agreement %")
+        ax[1].legend()
         fig.suptitle(f"SCSA vs dense decode, {args.model} ({args.weights} weights, {args.threads} threads)")
         fig.tight_layout(); fig.savefig(Path(args.out).with_suffix(".png"), dpi=110)
     except Exception as e:  # plotting is a convenience; the JSON is the result

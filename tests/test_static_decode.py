@@ -112,10 +112,6 @@ def test_static_decoder_rejects_what_it_cannot_run():
     m, _ = tiny("llama", "f32")
     with pytest.raises(LongattnError, match="max_len"):
         StaticDecoder(m, max_len=0, compile=False)
-    from longattn.policy import LayerPolicy
-    sparse = AttentionPolicy([LayerPolicy("sparse")] * m.config.num_layers)
-    with pytest.raises(LongattnError, match="eager Session"):
-        StaticDecoder(m, sparse, compile=False)
     dec = StaticDecoder(m, max_len=8, compile=False)
     dec.prefill([[1, 2, 3, 4, 5, 6, 7, 8]])
     with pytest.raises(LongattnError, match="full at 8"):

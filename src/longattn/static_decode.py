@@ -17,6 +17,10 @@ the step's own new key, in one softmax, and returns the new keys; they are writt
 whole on every step.) Shapes never change and nothing branches on tensor values: one graph
 for the whole decode, no recompilation (tests/test_static_decode.py counts them).
 
+Sparse (SCSA) layers keep full-attention buffers and call one opaque custom op
+(static_sparse.py): the index, calibration and selection run behind it at run time, so the
+step stays one graph.
+
 Prefill runs through an ordinary eager Session (chunked, banded where it pays) and its cache
 is then copied into the buffers. Attention over the buffer reads masked slots too, so a
 full-attention layer costs O(max_len) per step: size ``max_len`` to the job.
@@ -35,6 +39,7 @@ from .ops import native
 from .ops.masks import allowed_mask
 from .policy import AttentionPolicy
 from .session import Session
+from .static_sparse import SparseState, StaticSparseOp
 
 
 RECOMPILE_LIMIT = 256
@@ -235,8 +240,9 @@ def attend_buffer_and_self_flash(q, k, v, mask, k_new, v_new, self_ok, scale):
 
 
 class _StaticPolicy:
-    def __init__(self, policy: AttentionPolicy, kernel: str = "fused"):
-        self.ops = [_StaticOp(lp.window, lp.sinks, kernel) for lp in policy.layers]
+    def __init__(self, policy: AttentionPolicy, kernel: str = "fused", sparse: Optional[SparseState] = None):
+        self.ops = [StaticSparseOp(sparse, i) if lp.kind == "sparse" else _StaticOp(lp.window, lp.sinks, kernel)
+                    for i, lp in enumerate(policy.layers)]
 
     def op(self, i: int):
         return self.ops[i]
@@ -248,7 +254,9 @@ class StaticDecoder:
     Args:
         model: a Transformer (any weight format).
         policy: AttentionPolicy of "window" layers (dense, windows, sinks; default the
-            checkpoint's windows). Sparse layers and re-indexing need the eager Session.
+            checkpoint's windows) and "sparse" layers (SCSA, one SCSALayer per layer and
+            stream in ``self.sparse``; see static_sparse.py). Re-indexing needs the eager
+            Session.
         batch: streams. max_len: positions a stream may reach (prompt + new tokens).
         compile: ``torch.compile`` the step (inductor, static shapes, one graph).
         dynamic: compile the full-attention buffers' length as a symbol, so ``reset`` to
@@ -269,14 +277,21 @@ class StaticDecoder:
                  inductor_options: Optional[dict] = None, attention: str = "fused"):
         self.model = model
         self.policy = policy or AttentionPolicy.from_config(model.config)
-        bad = sorted({lp.kind for lp in self.policy.layers} - {"window"})
+        kinds = {lp.kind for lp in self.policy.layers}
+        bad = sorted(kinds - {"window", "sparse"})
         if bad:
-            raise LongattnError(f"the static decoder runs window/dense layers only, not {bad}; "
+            raise LongattnError(f"the static decoder runs window/dense/sparse layers only, not {bad}; "
                                 "use the eager Session for these")
+        cfg = model.config
+        if "sparse" in kinds and cfg.attn_softcap is not None:
+            raise LongattnError("sparse layers with score soft-capping run in the eager Session only")
+        from .sparse import SCSAConfig
+        self.sparse = SparseState(self.policy.sparse_config or SCSAConfig(), cfg.num_heads, cfg.num_kv_heads,
+                                  cfg.head_dim) if "sparse" in kinds else None
         if attention not in ATTENTION_KERNELS:
             raise LongattnError(f"attention must be one of {', '.join(ATTENTION_KERNELS)}, got {attention!r}")
         self.batch, self.dynamic, self.attention = batch, dynamic, attention
-        self._policy = _StaticPolicy(self.policy, attention)
+        self._policy = _StaticPolicy(self.policy, attention, self.sparse)
         self.compiled = compile
         self.inductor_options = dict(DEFAULT_INDUCTOR_OPTIONS if inductor_options is None else inductor_options)
         self._compiled = self._compile() if compile else None
@@ -305,6 +320,8 @@ class StaticDecoder:
             raise LongattnError(f"max_len must be a positive integer, got {max_len!r}")
         self.max_len = max_len
         self.session = Session(self.model, self.policy, batch=self.batch)
+        if self.sparse is not None:
+            self.sparse.reset()
         self.kv = StaticKV(self.model.config, self.policy, self.batch, max_len,
                            dtype=self.model.activation_dtype)
         if self.dynamic:

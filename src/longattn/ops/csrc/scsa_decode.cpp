@@ -79,11 +79,14 @@ void quantize_row(const float* x, int64_t D, int64_t qb, int16_t* ints, float* s
 }
 
 // Raw scores (no softmax scale) of G quantized queries with n <= 8 int8 key rows of one cluster:
-// s[g * stride + r] = sum_b (iq_g,b . ik_r,b) * ks_r,b * qs_g,b. Integer block dots are exact.
+// s[g * stride + r] = sum_b (iq_g,b . ik_r,b) * ks_r,b * qs_g,b, in that order (as the PyTorch
+// path: block dot times key scale times query scale, summed over blocks). Integer block dots
+// are exact; the eight rows' dots of one block come out as one vector (lane r = row r).
 void q8_scores8(const int8_t* krows, const float* kscale, int64_t n, const int16_t* q16, const float* qs,
                 int64_t G, int64_t D, int64_t qb, float* s, int64_t stride) {
   const int64_t nb = D / qb;
   alignas(32) int16_t k16[8 * 512];
+  __m256 ksv[64];  // per block: the eight rows' key scales (D <= 512, qb >= 8)
   for (int64_t r = 0; r < 8; ++r) {
     int16_t* dst = k16 + r * D;
     if (r >= n) {
@@ -95,42 +98,57 @@ void q8_scores8(const int8_t* krows, const float* kscale, int64_t n, const int16
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
                           _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d))));
   }
-  float dots[8];
+  for (int64_t b = 0; b < nb; ++b) {
+    alignas(32) float col[8];
+    for (int64_t r = 0; r < 8; ++r) col[r] = r < n ? kscale[r * nb + b] : 0.0f;
+    ksv[b] = _mm256_load_ps(col);
+  }
+  alignas(32) float out8[8];
   for (int64_t g = 0; g < G; ++g) {
-    float* sg = s + g * stride;
-    for (int64_t r = 0; r < n; ++r) sg[r] = 0.0f;
     const int16_t* qg = q16 + g * D;
+    __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
+      __m256 dots;
       if (qb % 16 == 0) {
         __m256 a[8];
         for (int64_t r = 0; r < 8; ++r) {
-          __m256i acc = _mm256_setzero_si256();
+          __m256i ai = _mm256_setzero_si256();
           for (int64_t d = b * qb; d < (b + 1) * qb; d += 16)
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(
+            ai = _mm256_add_epi32(ai, _mm256_madd_epi16(
                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k16 + r * D + d)),
                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + d))));
-          a[r] = _mm256_cvtepi32_ps(acc);
+          a[r] = _mm256_cvtepi32_ps(ai);
         }
-        _mm256_storeu_ps(dots, hsum8(a));
+        dots = hsum8(a);
       } else {  // blocks of 8 values (head_dim not a multiple of 16): plain integer loops
+        alignas(32) float d8[8];
         for (int64_t r = 0; r < 8; ++r) {
-          int32_t acc = 0;
-          for (int64_t d = b * qb; d < (b + 1) * qb; ++d) acc += int32_t(k16[r * D + d]) * int32_t(qg[d]);
-          dots[r] = static_cast<float>(acc);
+          int32_t ai = 0;
+          for (int64_t d = b * qb; d < (b + 1) * qb; ++d) ai += int32_t(k16[r * D + d]) * int32_t(qg[d]);
+          d8[r] = static_cast<float>(ai);
         }
+        dots = _mm256_load_ps(d8);
       }
-      for (int64_t r = 0; r < n; ++r) sg[r] += dots[r] * kscale[r * nb + b] * qs[g * nb + b];
+      acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(dots, ksv[b]), _mm256_set1_ps(qs[g * nb + b])));
     }
+    _mm256_store_ps(out8, acc);
+    for (int64_t r = 0; r < n; ++r) s[g * stride + r] = out8[r];
   }
 }
 
-// n <= 32 value rows dequantized into tile [n, D] (ints * block scale, as packing.Q8Store.values).
+// n <= 32 value rows dequantized into tile [n, D] (ints * block scale, as packing.Q8Store.values;
+// one rounding per element, so the same floats).
 void dequant_rows(const int8_t* vrows, const float* vscale, int64_t n, int64_t D, int64_t qb, float* tile) {
   const int64_t nb = D / qb;
   for (int64_t r = 0; r < n; ++r)
     for (int64_t b = 0; b < nb; ++b) {
-      const float sc = vscale[r * nb + b];
-      for (int64_t i = 0; i < qb; ++i) tile[r * D + b * qb + i] = float(vrows[r * D + b * qb + i]) * sc;
+      const __m256 sc = _mm256_set1_ps(vscale[r * nb + b]);
+      const int8_t* src = vrows + r * D + b * qb;
+      float* dst = tile + r * D + b * qb;
+      for (int64_t i = 0; i < qb; i += 8) {  // qb is a multiple of 8
+        const __m128i b8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i));
+        _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b8)), sc));
+      }
     }
 }
 

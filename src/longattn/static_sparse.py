@@ -1,0 +1,100 @@
+"""SCSA inside the static decode step: one opaque custom op per sparse layer.
+
+The static step (static_decode.py) is one fixed-shape graph; SCSA's index is not (clusters grow,
+blocks freeze every few hundred tokens, the first decode steps calibrate). So a sparse layer
+calls ``longattn::scsa_step``, a custom op whose body runs in Python at run time: compiled or
+not, the graph only sees ``[B, H, 1, D] -> [B, H, 1, D]``. Behind it, each (layer, stream)
+keeps its own ``SCSALayer`` (index, calibrated taus, counters) in a ``SparseState`` that the
+decoder owns; the op finds it through an integer key baked into the decoder's private graph.
+
+Full-attention buffers hold slot = position, so a stream at position n has its cache in slots
+``[0, n)`` and this step's key apart (``pending``). SCSA reads an append-only cache that holds
+the query's own key, so the op first stores the step's key and value at slot n, the very
+values the decoder writes there after the step (``StaticKV.write``): the write is idempotent
+and no other part of the step reads that layer's buffer. Streams with position -1 (padding,
+warm-up) output zeros and touch nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+
+from .sparse import SCSAConfig, SCSALayer
+
+_STATES: "weakref.WeakValueDictionary[int, SparseState]" = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+
+
+class SparseState:
+    """The SCSA layers of one static decoder: ``layer(l, b)`` for model layer l, stream b."""
+
+    def __init__(self, cfg: SCSAConfig, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.cfg = cfg
+        self.shape = (num_heads, num_kv_heads, head_dim)
+        self.layers: dict = {}
+        self.key = next(_KEYS)
+        _STATES[self.key] = self
+
+    def layer(self, layer: int, stream: int) -> SCSALayer:
+        if (layer, stream) not in self.layers:
+            self.layers[(layer, stream)] = SCSALayer(self.cfg, *self.shape, layer_index=layer)
+        return self.layers[(layer, stream)]
+
+    def reset(self) -> None:
+        """New streams: every index is forgotten; calibrated taus and counters stay."""
+        for layer in self.layers.values():
+            layer.reset()
+
+    def clear(self) -> None:
+        """Drop every layer: the next steps build new indexes and calibrate afresh."""
+        self.layers.clear()
+
+    def of_layer(self, layer: int) -> list:
+        """The SCSALayers of one model layer (one per stream that has decoded)."""
+        return [sc for (l, _), sc in sorted(self.layers.items()) if l == layer]
+
+
+@torch.library.custom_op("longattn::scsa_step", mutates_args=())
+def scsa_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_new: torch.Tensor,
+              v_new: torch.Tensor, key: int, layer: int, scale: float) -> torch.Tensor:
+    """SCSA decode attention of one layer over static buffers.
+
+    Args:
+        q: ``[B, H, 1, D]``; k, v: ``[B, Hkv, S, D]`` buffers (slot = position);
+        q_pos: ``[B, 1]`` int64 (-1 = inactive); k_new, v_new: ``[B, Hkv, 1, D]`` this step's.
+        key: the decoder's SparseState key. layer: model layer index. scale: score scale.
+    Returns:
+        ``[B, H, 1, D]`` (zeros for inactive streams).
+    """
+    state = _STATES[key]
+    out = torch.zeros_like(q)
+    for b, n in enumerate(q_pos[:, 0].tolist()):
+        if n < 0:
+            continue
+        # write-ahead of the step's own key (see the module docstring): idempotent
+        k[b, :, n] = k_new[b, :, 0].to(k.dtype)
+        v[b, :, n] = v_new[b, :, 0].to(v.dtype)
+        out[b:b + 1] = state.layer(layer, b).attend(q[b:b + 1], k[b:b + 1, :, :n + 1], v[b:b + 1, :, :n + 1],
+                                                    scale)
+    return out
+
+
+@scsa_step.register_fake
+def _(q, k, v, q_pos, k_new, v_new, key, layer, scale):
+    return torch.empty_like(q)
+
+
+class StaticSparseOp:
+    """The static policy's op for a sparse layer (see static_decode._StaticPolicy)."""
+
+    def __init__(self, state: SparseState, layer: int):
+        self.state, self.layer = state, layer
+
+    def __call__(self, q, q_pos, k, v, k_pos, scale, softcap=None, layer=0, cache=None):
+        if softcap is not None:
+            raise NotImplementedError("SCSA with score softcapping")  # rejected at construction
+        k_new, v_new = cache.pending[layer]
+        return torch.ops.longattn.scsa_step(q, k, v, q_pos, k_new, v_new, self.state.key, self.layer, float(scale))
