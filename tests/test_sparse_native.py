@@ -41,7 +41,6 @@ def check_case(H, HKV, D, n, tau, seed=0, queries=2, **kw):
         b, sb = run(torch_path, q, k, v, scale)
         ref, sr = run(slow, q, k, v, scale)
         assert torch.equal(sa.opened, sb.opened) and torch.equal(sa.opened, sr.opened)
-        assert torch.equal(sa.tail_mask, sb.tail_mask)
         tol = 2 * (b.double() - ref.double()).abs().max().item() + 2 * EPS32 * vmax
         err = (a.double() - ref.double()).abs().max().item()
         assert err <= tol, f"{err:.3e} > {tol:.3e}"

@@ -151,13 +151,15 @@ def test_dynamic_decoder_reuses_its_graph_across_lengths():
     assert (out.double() - ref).abs().max().item() <= tol
 
 
-def test_many_decoders_each_get_their_graph(monkeypatch):
+def test_many_decoders_each_get_their_graph():
     """Dynamo's compiled-variant limit is per code object, shared by every decoder in the
     process: more decoders than its default of 8 must still compile, not fail."""
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)  # reach the limit quickly
     m, _ = tiny("llama", "f32")
-    for n in range(3):
-        dec = StaticDecoder(m, policy_for(m.config, 3 + n, 0), max_len=12, compile=True)
-        dec.prefill([[1, 2, 3]])
-        dec.step(torch.tensor([4]))
+    # reach the limit quickly; config.patch, not monkeypatch: restoring an aliased dynamo
+    # option by setattr left it hidden, and every later compile in the process failed
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for n in range(3):
+            dec = StaticDecoder(m, policy_for(m.config, 3 + n, 0), max_len=12, compile=True)
+            dec.prefill([[1, 2, 3]])
+            dec.step(torch.tensor([4]))

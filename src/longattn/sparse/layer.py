@@ -96,7 +96,8 @@ class SCSALayer:
         if not self.calibrated:
             return self._calibration_call(q, k, v, scale)
         rows = [self._row(b, q[b, :, 0], k[b], v[b], scale, self.taus) for b in range(B)]
-        return torch.stack(rows).view(B, H, 1, D).to(q.dtype)
+        out = rows[0].view(1, H, 1, D) if B == 1 else torch.stack(rows).view(B, H, 1, D)
+        return out.to(q.dtype)
 
     def set_taus(self, taus) -> None:
         """Freeze the thresholds (one per KV head, or one for all) and end calibration."""
@@ -256,9 +257,13 @@ class SCSALayer:
             exact = index.exact_slots(k_row.shape[1])
             n_exact = exact[0] + k_row.shape[1] - exact[1]
         elif self._native_applies(index, k_row, v_row):
-            out, sel = self._native_row(index, q_row, k_row, v_row, scale, taus)
+            out, sel, opened_rows = self._native_row(index, q_row, k_row, v_row, scale, taus)
             exact = index.exact_slots(k_row.shape[1])
-            n_exact = exact[0] + k_row.shape[1] - exact[1]
+            self.counters["exact_rows"] += self.num_kv_heads * (exact[0] + k_row.shape[1] - exact[1])
+            self.counters["opened_rows"] += opened_rows
+            self.counters["clusters_scored"] += sel.scored
+            self._last.append((index, sel, k_row.shape[1]))
+            return out.reshape(self.num_heads, self.head_dim)
         else:
             prep = self._prepare(index, q_row, k_row, v_row, scale)
             out, sel = self._sparse(index, prep, scale, taus)
@@ -282,16 +287,16 @@ class SCSALayer:
                    for t in (k_row, v_row)) and native.available()
 
     def _native_row(self, index: ClusterIndex, q_row, k_row, v_row, scale, taus):
-        """One row through ``longattn_cpu::scsa_decode``: output ``[Hkv, g, D]`` and the flat
-        selection (the same decisions as ``select_flat``, read in one native pass)."""
+        """One row through ``longattn_cpu::scsa_decode``: output ``[Hkv, g, D]``, the flat
+        selection (the same decisions as ``select_flat``, read in one native pass) and the
+        number of member rows opened (all KV heads)."""
         s0, s1 = index.exact_slots(k_row.shape[1])
         st, M = index.store, index.num_clusters
-        out, opened = torch.ops.longattn_cpu.scsa_decode(
+        out, opened, rows = torch.ops.longattn_cpu.scsa_decode(
             q_row.float(), k_row, v_row, s0, s1, index.summ, index.resid, index.log_counts, index.radius,
             index.vmean, index.counts, M, st.ki, st.ks, st.vi, st.vs, taus.float().contiguous(), float(scale))
-        ids = torch.arange(M).expand(self.num_kv_heads, M)
-        sel = Selection(opened, ids, ~opened, self.num_kv_heads * M)
-        return out.view(self.num_kv_heads, self.group, self.head_dim), sel
+        sel = Selection(opened, None, None, self.num_kv_heads * M)  # flat: tails = ~opened (see _accounting)
+        return out.view(self.num_kv_heads, self.group, self.head_dim), sel, int(rows)
 
     def _calibration_call(self, q, k, v, scale):
         """Exact output; replays every tau of the grid and records the errors."""
@@ -372,6 +377,9 @@ def _accounting(index: ClusterIndex, sel: Selection | None, n: int) -> dict:
     opened_rows = torch.zeros(hkv, dtype=torch.int64)
     tail_rows = torch.zeros(hkv, dtype=torch.int64)
     if sel is not None:
+        if sel.tail_mask is None:  # a flat selection stored by the native path
+            M = sel.opened.shape[1]
+            sel = Selection(sel.opened, torch.arange(M).expand(hkv, M), ~sel.opened, sel.scored)
         for h in range(hkv):
             for c in sel.opened[h].nonzero().flatten().tolist():
                 slots = index.slots[h, c][index.slots[h, c] >= 0]

@@ -12,7 +12,7 @@
 //   ki, vi     [Hkv, Cs, cs, D]  int8     packed member rows, members first in each cluster
 //   ks, vs     [Hkv, Cs, cs, nb] float32  one scale per block of D / nb values
 //   taus       [Hkv]             float32  stop-rule threshold per KV head
-//   -> (out [H, D] float32, opened [Hkv, M] bool)
+//   -> (out [H, D] float32, opened [Hkv, M] bool, opened member rows over all heads: int64 scalar)
 //
 // Per KV head (phase A, heads in parallel): every cluster's tail logit a + log m and capped
 // second-cumulant log-mass estimate for each of the G query heads; exact scores of the sink and
@@ -27,6 +27,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 #include <immintrin.h>
@@ -184,7 +185,7 @@ void merge_parts(const std::vector<const float*>& parts, int64_t D, float* out) 
   for (int64_t d = 0; d < D; ++d) out[d] *= inv;
 }
 
-std::tuple<at::Tensor, at::Tensor> scsa_decode(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t s0, int64_t s1,
     const at::Tensor& summ, const at::Tensor& resid, const at::Tensor& log_counts, const at::Tensor& radius,
     const at::Tensor& vmean, const at::Tensor& counts, int64_t M, const at::Tensor& ki, const at::Tensor& ks,
@@ -433,7 +434,10 @@ std::tuple<at::Tensor, at::Tensor> scsa_decode(
         if (items[it].h == h) parts.push_back(item_parts.data() + (it * G + g) * PW);
       merge_parts(parts, D, outp + (h * G + g) * D);
     }
-  return {out, opened};
+  int64_t opened_rows = 0;
+  for (const Item& item : items)
+    for (int64_t j = item.c0; j < item.c1; ++j) opened_rows += cntp[lists[item.h][j]];
+  return {out, opened, at::scalar_tensor(opened_rows, at::kLong)};
 }
 
 }  // namespace
@@ -441,7 +445,7 @@ std::tuple<at::Tensor, at::Tensor> scsa_decode(
 TORCH_LIBRARY_FRAGMENT(longattn_cpu, m) {
   m.def("scsa_decode(Tensor q, Tensor k, Tensor v, int s0, int s1, Tensor summ, Tensor resid, "
         "Tensor log_counts, Tensor radius, Tensor vmean, Tensor counts, int M, Tensor ki, Tensor ks, "
-        "Tensor vi, Tensor vs, Tensor taus, float scale) -> (Tensor, Tensor)");
+        "Tensor vi, Tensor vs, Tensor taus, float scale) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(longattn_cpu, CPU, m) {
