@@ -11,7 +11,6 @@ combination of value rows and value means, all bounded by max|v|)."""
 import pytest
 import torch
 
-import longattn.sparse.layer as layer_mod
 from longattn.ops import native
 from longattn.sparse import SCSALayer
 from sparse_fixtures import attn_case, one_thread, small_cfg  # noqa: F401
@@ -121,7 +120,3 @@ def test_kernel_rejects_bad_inputs():
         with pytest.raises(RuntimeError, match=needle):
             torch.ops.longattn_cpu.scsa_decode(*wrong)
 
-
-def test_native_layer_module_imports_the_kernel_lazily():
-    """Importing the sparse package never builds the kernels (the check runs at the first call)."""
-    assert layer_mod.native is native
