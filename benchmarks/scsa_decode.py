@@ -62,22 +62,11 @@ def run_dense(model, cache, policy, first_tok, steps):
     return toks, times
 
 
-def run_static(dec, cache, forced):
-    """Static dense step over a copy of ``cache``, teacher-forced: per-step seconds."""
-    dec.reset(cache.next_pos.item() + len(forced) + 1)
-    dec.load_cache(cache)
-    times = []
-    for t in forced:
-        t0 = time.perf_counter()
-        dec.step(torch.tensor([t]))
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-def run_static_sparse(dec, cache, forced, calib):
-    """SCSA inside the static step (fresh indexes and calibration), teacher-forced:
-    ``(agreement list, per-step seconds)``."""
-    dec.sparse.clear()
+def run_static(dec, cache, forced, calib):
+    """A static decoder (dense, or sparse with fresh indexes and calibration) over a copy of
+    ``cache``, teacher-forced: ``(agreement list after calib, per-step seconds)``."""
+    if dec.sparse is not None:
+        dec.sparse.clear()
     dec.reset(cache.next_pos.item() + len(forced) + 1)
     dec.load_cache(cache)
     agree, times = [], []
@@ -171,11 +160,11 @@ def main():
             msg += (f" | SCSA {1 / s:6.2f} tok/s {d / s:5.2f}x agreement {100 * row['agreement']:5.1f}% "
                     f"tau median {row['tau_median']:.3f}")
         if dec is not None:
-            st = statistics.median(run_static(dec, cache, toks)[args.calib:])
+            st = statistics.median(run_static(dec, cache, toks, args.calib)[1][args.calib:])
             row["static_dense_tok_s"] = 1 / st
             msg += f" | static dense {1 / st:6.2f} tok/s"
         if sdec is not None:
-            agree, ss_times = run_static_sparse(sdec, cache, toks, args.calib)
+            agree, ss_times = run_static(sdec, cache, toks, args.calib)
             ss = statistics.median(ss_times[args.calib:])
             layers = list(sdec.sparse.layers.values())
             taus = [t for sc in layers for t in sc.taus.tolist()]

@@ -13,7 +13,7 @@ the query's own key, so the op first stores the step's key and value at slot n, 
 values the decoder writes there after the step (``StaticKV.write``): the write is idempotent
 and no other part of the step reads that layer's buffer. Streams with position -1 (padding,
 warm-up) output zeros and touch nothing. Below ``min_context`` cached tokens a stream's step is
-read densely by the fused kernel, as the eager SparseOp reads it with the dense layer's op.
+read by the dense layer's own op (WindowOp), as the eager SparseOp reads it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import weakref
 
 import torch
 
-from .ops import native
+from .policy import LayerPolicy, WindowOp
 from .sparse import SCSAConfig, SCSALayer
 
 _STATES: "weakref.WeakValueDictionary[int, SparseState]" = weakref.WeakValueDictionary()
@@ -39,10 +39,8 @@ class SparseState:
         self.layers: dict = {}
         self.key = next(_KEYS)
         _STATES[self.key] = self
-
-    @staticmethod
-    def dense_native(q: torch.Tensor, k: torch.Tensor) -> bool:
-        return q.dtype == k.dtype == torch.float32 and native.available()
+        # below min_context a sparse layer is a dense one: the dense layer's own op, as in the Session
+        self.dense = WindowOp(LayerPolicy("window", None, 0))
 
     def layer(self, layer: int, stream: int) -> SCSALayer:
         if (layer, stream) not in self.layers:
@@ -84,15 +82,11 @@ def scsa_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
         k[b, :, n] = k_new[b, :, 0].to(k.dtype)
         v[b, :, n] = v_new[b, :, 0].to(v.dtype)
         kb, vb = k[b:b + 1, :, :n + 1], v[b:b + 1, :, :n + 1]
-        if n + 1 < state.cfg.min_context and state.dense_native(q, k):
-            # below min_context a sparse layer is a dense one (as SparseOp in the Session):
-            # the fused dense read, without SCSA's per-call bookkeeping
+        if n + 1 < state.cfg.min_context:
             pos = torch.arange(n + 1).unsqueeze(0)
-            none = kb[:, :, :0]
-            out[b:b + 1] = torch.ops.longattn_cpu.decode_attention(q[b:b + 1], kb, vb, pos, pos[:, n:], none,
-                                                                   none, 0, 0, scale)
-            continue
-        out[b:b + 1] = state.layer(layer, b).attend(q[b:b + 1], kb, vb, scale)
+            out[b:b + 1] = state.dense(q[b:b + 1], pos[:, n:], kb, vb, pos, scale)
+        else:
+            out[b:b + 1] = state.layer(layer, b).attend(q[b:b + 1], kb, vb, scale)
     return out
 
 

@@ -188,8 +188,7 @@ class SCSALayer:
         v_ex = torch.cat([v_row[:, :s0], v_row[:, s1:]], 1).float()
         s_ex = torch.bmm(qg, k_ex.transpose(1, 2)) * scale  # [Hkv, g, E]
         log_exact = torch.logsumexp(s_ex, -1) if s_ex.shape[-1] else s_ex.new_full(s_ex.shape[:2], NEG_INF)
-        prep = {"qg": qg, "s_ex": s_ex, "v_ex": v_ex, "log_exact": log_exact, "n": n,
-                "exact": s0 + n - s1}
+        prep = {"qg": qg, "s_ex": s_ex, "v_ex": v_ex, "log_exact": log_exact, "n": n}
         if flat_scores is None:
             flat_scores = not self.cfg.hierarchical
         if index.num_clusters and flat_scores:
@@ -252,28 +251,22 @@ class SCSALayer:
 
     def _row(self, b: int, q_row, k_row, v_row, scale, taus):
         index = self.indexes[b]
+        n = k_row.shape[1]
+        s0, s1 = index.exact_slots(n)
+        opened_rows = None  # the native call counts them itself
         if self.cfg.serial:
             out, sel = serial_row(self.cfg, index, q_row, k_row, v_row, scale, taus)
-            exact = index.exact_slots(k_row.shape[1])
-            n_exact = exact[0] + k_row.shape[1] - exact[1]
         elif self._native_applies(index, k_row, v_row):
-            out, sel, opened_rows = self._native_row(index, q_row, k_row, v_row, scale, taus)
-            exact = index.exact_slots(k_row.shape[1])
-            self.counters["exact_rows"] += self.num_kv_heads * (exact[0] + k_row.shape[1] - exact[1])
+            out, sel, opened_rows = self._native_row(index, q_row, k_row, v_row, s0, s1, scale, taus)
+        else:
+            out, sel = self._sparse(index, self._prepare(index, q_row, k_row, v_row, scale), scale, taus)
+        self.counters["exact_rows"] += self.num_kv_heads * (s0 + n - s1)
+        if sel is not None:
+            if opened_rows is None:
+                opened_rows = int((sel.opened.long() * index.counts[:index.num_clusters]).sum())
             self.counters["opened_rows"] += opened_rows
             self.counters["clusters_scored"] += sel.scored
-            self._last.append((index, sel, k_row.shape[1]))
-            return out.reshape(self.num_heads, self.head_dim)
-        else:
-            prep = self._prepare(index, q_row, k_row, v_row, scale)
-            out, sel = self._sparse(index, prep, scale, taus)
-            n_exact = prep["exact"]
-        self.counters["exact_rows"] += self.num_kv_heads * n_exact
-        if sel is not None:
-            M = index.num_clusters
-            self.counters["opened_rows"] += int((sel.opened.long() * index.counts[:M]).sum())
-            self.counters["clusters_scored"] += sel.scored
-        self._last.append((index, sel, k_row.shape[1]))
+        self._last.append((index, sel, n))
         return out.reshape(self.num_heads, self.head_dim)
 
     def _native_applies(self, index: ClusterIndex, k_row, v_row) -> bool:
@@ -286,11 +279,10 @@ class SCSALayer:
         return all(t.dtype == torch.float32 and t.stride(-1) == 1 and t.stride(-2) == D
                    for t in (k_row, v_row)) and native.available()
 
-    def _native_row(self, index: ClusterIndex, q_row, k_row, v_row, scale, taus):
-        """One row through ``longattn_cpu::scsa_decode``: output ``[Hkv, g, D]``, the flat
-        selection (the same decisions as ``select_flat``, read in one native pass) and the
-        number of member rows opened (all KV heads)."""
-        s0, s1 = index.exact_slots(k_row.shape[1])
+    def _native_row(self, index: ClusterIndex, q_row, k_row, v_row, s0, s1, scale, taus):
+        """One row through ``longattn_cpu::scsa_decode`` (slots ``[0, s0)`` and ``[s1, N)``
+        exact): output ``[Hkv, g, D]``, the flat selection (the same decisions as
+        ``select_flat``, read in one native pass) and the member rows opened (all KV heads)."""
         st, M = index.store, index.num_clusters
         out, opened, rows = torch.ops.longattn_cpu.scsa_decode(
             q_row.float(), k_row, v_row, s0, s1, index.summ, index.resid, index.log_counts, index.radius,

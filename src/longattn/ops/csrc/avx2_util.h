@@ -2,8 +2,11 @@
 #pragma once
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <vector>
 
 namespace longattn {
 
@@ -119,6 +122,24 @@ inline float exp_shift_sum(float* x, int64_t n, float m) {
     s += x[i];
   }
   return s;
+}
+
+// Softmax parts, each [m, l, acc[D]] (running max, normaliser, numerator), merged exactly into
+// out[0:D] (skipping empty ones): sum_i e^(m_i - m) acc_i / sum_i e^(m_i - m) l_i.
+inline void merge_parts(const std::vector<const float*>& parts, int64_t D, float* out) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (const float* p : parts) m = std::max(m, p[0]);
+  std::fill(out, out + D, 0.0f);
+  if (m == -std::numeric_limits<float>::infinity()) return;
+  float den = 0.0f;
+  for (const float* p : parts) {
+    if (p[0] == -std::numeric_limits<float>::infinity()) continue;
+    const float w = std::exp(p[0] - m);
+    den += w * p[1];
+    axpy(w, p + 2, out, D);
+  }
+  const float inv = 1.0f / den;
+  for (int64_t d = 0; d < D; ++d) out[d] *= inv;
 }
 
 }  // namespace longattn

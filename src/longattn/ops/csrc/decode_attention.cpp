@@ -36,10 +36,10 @@
 
 namespace {
 
-using longattn::axpy;
 using longattn::dot;
 using longattn::dot8;
 using longattn::exp_shift_sum;
+using longattn::merge_parts;
 using longattn::weighted_rows;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -148,33 +148,22 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   float* yp = y.data_ptr<float>();
   const float* knp = knc.data_ptr<float>();
   const float* vnp = vnc.data_ptr<float>();
+  // per query head: the slot chunks' parts plus the own key as a part of one row (m = its
+  // score, l = 1, acc = its value), merged exactly (longattn::merge_parts)
+  std::vector<float> own(D + 2);
+  std::vector<const float*> parts(chunks + 1);
   for (int64_t bh = 0; bh < heads; ++bh) {
     const int64_t b = bh / Hkv, h = bh % Hkv;
     const float* kn = knp + bh * D;
     const float* vn = vnp + bh * D;
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qp + (b * H + h * G + g) * D;
-      float* o = yp + (b * H + h * G + g) * D;
-      const float sn = has_new && qposp[b] >= 0 ? dot(qg, kn, D) * sc : kNegInf;
-      float m = sn;
-      for (int64_t c = 0; c < chunks; ++c) m = std::max(m, part[((bh * chunks + c) * G + g) * (D + 2)]);
-      std::fill(o, o + D, 0.0f);
-      if (m == kNegInf) continue;  // nothing to read: zeros, as the reference
-      float den = 0.0f;
-      for (int64_t c = 0; c < chunks; ++c) {
-        const float* pc = part.data() + ((bh * chunks + c) * G + g) * (D + 2);
-        if (pc[0] == kNegInf) continue;
-        const float w = std::exp(pc[0] - m);
-        den += w * pc[1];
-        axpy(w, pc + 2, o, D);
-      }
-      if (sn != kNegInf) {
-        const float w = std::exp(sn - m);
-        den += w;
-        axpy(w, vn, o, D);
-      }
-      const float inv = 1.0f / den;
-      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      own[0] = has_new && qposp[b] >= 0 ? dot(qg, kn, D) * sc : kNegInf;
+      own[1] = 1.0f;
+      if (own[0] != kNegInf) std::copy(vn, vn + D, own.begin() + 2);
+      for (int64_t c = 0; c < chunks; ++c) parts[c] = part.data() + ((bh * chunks + c) * G + g) * (D + 2);
+      parts[chunks] = own.data();
+      merge_parts(parts, D, yp + (b * H + h * G + g) * D);  // nothing to read: zeros, as the reference
     }
   }
   return y;

@@ -47,6 +47,7 @@ using longattn::dot;
 using longattn::dot8;
 using longattn::exp_shift_sum;
 using longattn::hsum8;
+using longattn::merge_parts;
 using longattn::weighted_rows;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -165,23 +166,6 @@ void tiled_weighted_rows(const float* p, const float* const* rows, int64_t n, in
     weighted_rows(p + r0, rows + r0, std::min<int64_t>(32, n - r0), D, tmp);
     axpy(1.0f, tmp, o, D);
   }
-}
-
-// out[g] = merged parts (skipping empty ones): sum_i e^(m_i - m) acc_i / sum_i e^(m_i - m) l_i.
-void merge_parts(const std::vector<const float*>& parts, int64_t D, float* out) {
-  float m = kNegInf;
-  for (const float* p : parts) m = std::max(m, p[0]);
-  std::fill(out, out + D, 0.0f);
-  if (m == kNegInf) return;
-  float den = 0.0f;
-  for (const float* p : parts) {
-    if (p[0] == kNegInf) continue;
-    const float w = std::exp(p[0] - m);
-    den += w * p[1];
-    axpy(w, p + 2, out, D);
-  }
-  const float inv = 1.0f / den;
-  for (int64_t d = 0; d < D; ++d) out[d] *= inv;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
