@@ -8,8 +8,8 @@ For each model and context T (book tokens):
     and the median is reported (a first, cold prefill ran up to 1.7x slower); above it, the
     f32 prefill that built the cache is the figure (the model has run smaller T by then);
   * decode arms, alternated inside every repeat, medians of per-step times:
-      eager-{f32,bf16,int8}  Session.step
-      compiled-int8          StaticDecoder (torch.compile, static shapes: one graph per model,
+      eager-{f32,bf16,int8,int4}  Session.step (int4 only when listed in --formats)
+      compiled-{int8,int4}   StaticDecoder (torch.compile, static shapes: one graph per model,
                              policy and T, compiled before timing, compile time reported)
                              reading its buffers by --static-attention (fused C++ kernel by
                              default; more names add A/B arms compiled-int8-<name>)

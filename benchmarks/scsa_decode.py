@@ -110,7 +110,7 @@ def main():
     ap.add_argument("--tolerance", type=float, default=0.025)
     ap.add_argument("--packing", default="q8_0")
     ap.add_argument("--metric", choices=["head", "group"], default="head", help="SCSAConfig.calib_metric")
-    ap.add_argument("--weights", choices=["f32", "bf16", "int8"], default="bf16",
+    ap.add_argument("--weights", choices=["f32", "bf16", "int8", "int4"], default="bf16",
                     help="weight format of both arms (int8 makes the weight reads, which SCSA cannot "
                          "shrink, a smaller part of a step)")
     ap.add_argument("--threads", type=int, default=2)

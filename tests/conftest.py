@@ -84,6 +84,25 @@ def tiny_model(family: str = "llama", dtype=torch.float32, **over):
     return build_model(ck.config, ck.state_dict, dtype=dtype)
 
 
+def tiny_formats(family: str, weights: str):
+    """(model in ``weights``, float64 reference) for the tiny config of ``family``.
+
+    The reference is a float64 model of ``effective_state_dict``: the weights the model really
+    multiplies by. int4 decode also rounds activations to int8 per block of 32, so there the
+    model's error against it is that rounding's (tolerances derived from the full forward's
+    error include it); the rounding itself is checked exactly in test_weights.py. An exact
+    float64 emulation of the rounding is no steadier a reference: float32 and float64 inputs
+    land on different sides of a rounding boundary often enough (tens of activations a model
+    run) that both the emulation and any two float32 paths differ by whole quantization steps.
+    """
+    from longattn.checkpoint import load_checkpoint
+    from longattn.models import build_model
+    from longattn.models.weights import effective_state_dict
+    ck = load_checkpoint(tiny_dir(family), with_tokenizer=False)
+    m = build_model(ck.config, ck.state_dict, weights=weights)
+    return m, build_model(ck.config, effective_state_dict(ck.state_dict, weights), dtype=torch.float64)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _cache_dir(tmp_path_factory):
     # Tests share the user's conversion cache (so real models are converted once per machine)

@@ -6,21 +6,16 @@ alone; and compiling traces one graph that never recompiles while decoding."""
 import pytest
 import torch
 
-from conftest import tiny_dir
-from longattn.checkpoint import load_checkpoint
+from conftest import tiny_formats
 from longattn.errors import LongattnError
-from longattn.models import build_model, transformer
-from longattn.models.weights import effective_state_dict
+from longattn.models import transformer
 from longattn.ops import native
 from longattn.policy import AttentionPolicy
 from longattn.static_decode import StaticDecoder
 from test_windows import _ids
 
 
-def tiny(family, weights):
-    ck = load_checkpoint(tiny_dir(family), with_tokenizer=False)
-    return (build_model(ck.config, ck.state_dict, weights=weights),
-            build_model(ck.config, effective_state_dict(ck.state_dict, weights), dtype=torch.float64))
+tiny = tiny_formats
 
 
 def policy_for(cfg, window, sinks):
@@ -55,7 +50,10 @@ CASES = [("llama", 5, 2, "f32", False, "matmul"), ("llama", 5, 2, "int8", False,
          # sinks, hybrid groups, compiled; bf16 buffers fall back to matmul
          ("llama", 5, 2, "f32", False, "fused"), ("llama", 5, 2, "int8", True, "fused"),
          ("gemma3", None, 0, "f32", False, "fused"), ("gemma3", None, 0, "int8", True, "fused"),
-         ("qwen3", 3, 0, "int8", False, "fused"), ("qwen2", None, 0, "bf16", False, "fused")]
+         ("qwen3", 3, 0, "int8", False, "fused"), ("qwen2", None, 0, "bf16", False, "fused"),
+         # int4 weights (activations rounded per block of 32 at decode): eager and compiled
+         ("llama", 5, 2, "int4", False, "fused"), ("gemma3", None, 0, "int4", True, "fused"),
+         ("qwen2", None, 0, "int4", False, "matmul")]
 
 
 @pytest.mark.parametrize("family,window,sinks,weights,compiled,attention", CASES)

@@ -1,5 +1,6 @@
-"""Weight formats (f32, bf16, int8): the quantizer, the int8 kernel against an exact
-reference, every attention site under each format, and int8's quality cost on a real model.
+"""Weight formats (f32, bf16, int8, int4): the quantizers, the int8 and int4 kernels against
+exact references, every attention site under each format, and int8's and int4's quality cost
+on a real model.
 
 Tolerances: a quantized model is compared with a float64 model built from the weights it
 really multiplies by (``effective_state_dict``). With WIDEN_ROWS raised the full forward runs
@@ -10,25 +11,18 @@ cached paths must stay within twice it (as in test_windows.py).
 import pytest
 import torch
 
-from conftest import tiny_dir
-from longattn.checkpoint import load_checkpoint
+from conftest import tiny_formats
 from longattn.errors import LongattnError
 from longattn.models import build_model
 from longattn.models import transformer
 from longattn.ops import int8_kernel
-from longattn.models.weights import (dequantize_int8, effective_state_dict, int8_matmul, parse_weights,
-                                     quantize_int8)
+from longattn.models.weights import (INT4_GROUP, dequantize_int4, dequantize_int8, int4_matmul, int8_matmul,
+                                     parse_weights, quantize_activations, quantize_int4, quantize_int8)
 from longattn.policy import AttentionPolicy
 from test_windows import _ids, assert_paths_agree, assert_streams_agree, run_path
 
-FORMATS = ["f32", "bf16", "int8"]
-
-
-def tiny(family, weights):
-    ck = load_checkpoint(tiny_dir(family), with_tokenizer=False)
-    m = build_model(ck.config, ck.state_dict, weights=weights)
-    ref = build_model(ck.config, effective_state_dict(ck.state_dict, weights), dtype=torch.float64)
-    return m, ref
+FORMATS = ["f32", "bf16", "int8", "int4"]
+tiny = tiny_formats
 
 
 def test_quantize_int8_roundtrip_error_is_half_a_step():
@@ -47,11 +41,9 @@ def test_quantize_int8_roundtrip_error_is_half_a_step():
 
 def test_parse_weights_names_and_errors():
     assert parse_weights("bfloat16") == "bf16" and parse_weights(torch.float32) == "f32"
-    assert parse_weights("INT8") == "int8"
-    with pytest.raises(LongattnError, match="f32, bf16, int8"):
+    assert parse_weights("INT8") == "int8" and parse_weights("q4") == "int4"
+    with pytest.raises(LongattnError, match="f32, bf16, int8, int4"):
         parse_weights("fp8")
-    with pytest.raises(LongattnError, match="int4"):
-        parse_weights("int4")
 
 
 @pytest.mark.parametrize("rows", [1, 3, 40])
@@ -115,19 +107,97 @@ def test_avx2_int8_kernel_rejects_wrong_dtypes_and_shapes():
         int8_kernel.int8_gemv(torch.randn(1, 9), q, s)
 
 
+def test_quantize_int4_layout_and_error_bound():
+    g = torch.Generator().manual_seed(0)
+    # groups spanning codes 0..15 with step 1 and offset 0 are stored exactly: check the layout
+    u = torch.randint(0, 16, (3, 64), generator=g)
+    u[:, ::32], u[:, 1::32] = 0, 15
+    codes, d, m = quantize_int4(u.float())
+    assert codes.dtype == torch.uint8 and codes.shape == (3, 32) and d.dtype == m.dtype == torch.float16
+    assert torch.equal(d, torch.ones(3, 2, dtype=torch.float16)) and torch.equal(m, torch.zeros(3, 2, dtype=torch.float16))
+    assert torch.equal(codes[:, :16], (u[:, :16] | (u[:, 16:32] << 4)).to(torch.uint8))  # j low, j + 16 high
+    assert torch.equal(dequantize_int4(codes, d, m), u.float())
+    # rows over four decades, a zero row, a constant group: within half a step plus what the
+    # float16 rounding of the offset and step moves the ends of the grid
+    w = torch.randn(37, 96, generator=g) * torch.logspace(-3, 1, 37)[:, None]
+    w[5] = 0.0
+    w[7, 32:64] = 0.3
+    codes, d, m = quantize_int4(w)
+    wg = w.double().reshape(37, 3, 32)
+    lo, hi, dd, mm = wg.amin(-1), wg.amax(-1), d.double(), m.double()
+    bound = dd / 2 + (mm - lo).abs() + 15 * (dd - (hi - lo) / 15).abs()
+    err = (dequantize_int4(codes, d, m, torch.float64).reshape(37, 3, 32) - wg).abs()
+    assert torch.all(err <= bound[..., None] * (1 + 1e-9))
+    assert torch.equal(dequantize_int4(codes, d, m)[5], torch.zeros(96))
+    assert float(err[5].max()) == 0.0 and float(err[7, 1].max()) <= float((mm[7, 1] - 0.3).abs()) + 1e-12
+    with pytest.raises(LongattnError, match="multiple of 32"):
+        quantize_int4(torch.randn(4, 40))
+
+
+def test_int4_rows_that_are_not_whole_groups_stay_int8():
+    lin = transformer.Linear(40, 8, False)
+    lin.weight.data = torch.randn(8, 40)
+    lin.to_int4()
+    assert lin.codes is None and lin.qweight.dtype == torch.int8
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5])
+@pytest.mark.parametrize("K", [32, 96, 288, 544])  # tails only, 8-group blocks, both
+def test_int4_kernel_matches_exact_reference(rows, K):
+    """Activations rounded per block of 32 exactly as quantize_activations does (a different
+    rounding moves a result by a whole step, ~1e4 times this bound), integer dots exact, one
+    rounding per group scale and per group term into float32 lanes: within (G + 10) float32
+    roundings of the sum of |terms| (G = K / 32) plus half an ulp, against float64 arithmetic on
+    the same rounded inputs. PyTorch's evaluation of the same product (the fallback) sums in
+    another order: within K roundings."""
+    assert int8_kernel.available()
+    g = torch.Generator().manual_seed(rows * 1000 + K)
+    N = 70
+    x = torch.randn(rows, K, generator=g) * torch.logspace(-2, 1, K)
+    x[0, :32] = 0.0  # an all-zero activation block
+    w = torch.randn(N, K, generator=g)
+    w[3, :32] = 0.5  # a constant weight group (step 0)
+    codes, d, m = quantize_int4(w)
+    y = int4_matmul(x, codes, d, m, kernel="avx2")
+    xe = quantize_activations(x).double()
+    ref = xe @ dequantize_int4(codes, d, m, torch.float64).T
+    terms = xe.abs() @ dequantize_int4(codes, d.abs(), m.abs(), torch.float64).T
+    G = K // INT4_GROUP
+    assert y.dtype == torch.float32 and y.shape == (rows, N)
+    assert torch.all((y.double() - ref).abs() <= 2.0 ** -24 * ref.abs() + (G + 10) * 2.0 ** -23 * terms + 1e-30)
+    y_torch = int4_matmul(x, codes, d, m, kernel="torch")
+    assert torch.all((y_torch.double() - ref).abs() <= 2.0 ** -24 * ref.abs() + K * 2.0 ** -23 * terms + 1e-30)
+    assert torch.equal(torch.ops.longattn_cpu.int4_gemv(x.T.contiguous().T, codes, d, m), y)
+
+
+def test_int4_kernel_rejects_wrong_dtypes_and_shapes():
+    assert int8_kernel.available()
+    codes, d, m = quantize_int4(torch.randn(4, 64))
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.longattn_cpu.int4_gemv(torch.randn(1, 64, dtype=torch.float64), codes, d, m)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.longattn_cpu.int4_gemv(torch.randn(1, 40), codes, d, m)
+    with pytest.raises(RuntimeError, match="shapes"):
+        torch.ops.longattn_cpu.int4_gemv(torch.randn(1, 96), codes, d, m)
+
+
 @pytest.mark.parametrize("weights", FORMATS)
-def test_int8_and_bf16_build_what_they_claim(weights):
-    m, _ = tiny("qwen2", weights)  # tied embeddings: table and head share one int8 copy
+def test_each_format_builds_what_it_claims(weights):
+    m, _ = tiny("qwen2", weights)  # tied embeddings: table and head share one quantized copy
     lin = m.model.layers[0].self_attn.qkv
     if weights == "int8":
         assert lin.weight is None and lin.qweight.dtype == torch.int8
         assert m._tied_head.qweight is m.model.embed_tokens.table.qweight
+    elif weights == "int4":
+        assert lin.weight is None and lin.qweight is None and lin.codes.dtype == torch.uint8
+        assert lin.codes.shape == (lin.steps.shape[0], lin.steps.shape[1] * INT4_GROUP // 2)
+        assert m._tied_head.codes is m.model.embed_tokens.table.codes
     else:
         assert lin.weight.dtype == {"f32": torch.float32, "bf16": torch.bfloat16}[weights]
     assert m.weights == weights
 
 
-@pytest.mark.parametrize("weights", ["bf16", "int8"])
+@pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("path", ["forward", "step"])
 def test_unset_and_wide_window_bit_for_bit_in_each_format(weights, path):
     m, _ = tiny("llama", weights)
@@ -148,43 +218,55 @@ def test_all_paths_agree_in_each_format(monkeypatch, weights, family, window, si
     assert_paths_agree(m, m64, pol)
 
 
-def test_int8_streams_batched_equal_each_alone(monkeypatch):
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantized_streams_batched_equal_each_alone(monkeypatch, weights):
     monkeypatch.setattr(transformer, "WIDEN_ROWS", 1 << 30)
-    m, m64 = tiny("llama", "int8")
+    m, m64 = tiny("llama", weights)
     pol = AttentionPolicy.build(m.config, "window", window=4, sinks=2)
     assert_streams_agree(m, m64, pol, lens=[5, 13], steps=5)
 
 
 @pytest.mark.real
-def test_int8_costs_under_two_hundredths_of_a_bit_on_a_book():
-    """The issue's quality budget: int8 bits/token within 0.02 of f32 (SmolLM2, 1,024 book tokens)."""
+def test_quantized_weights_cost_what_the_readme_says_on_a_book(monkeypatch):
+    """int8 bits/token within 0.02 of f32 (the issue's budget) and int4 within 0.15 (measured
+    0.11 on three book passages, benchmarks/weights_quality.py) on 1,024 SmolLM2 book tokens;
+    int4's decode arithmetic (activations rounded per block of 32) within 0.02 of its prefill."""
     from conftest import real_checkpoint
     from longattn.data import book_body
     ck = real_checkpoint("smollm2-135m")
     ids = torch.tensor([ck.tokenizer.encode(book_body())[:1024]])
-    bits = {}
-    for w in ("f32", "int8"):
-        m = build_model(ck.config, ck.state_dict, weights=w)
+
+    def bits(m):
         lp = torch.log_softmax(m(ids)[0, :-1].double(), -1)
-        bits[w] = -lp.gather(1, ids[0, 1:, None]).mean().item() / torch.log(torch.tensor(2.0)).item()
-    print(f"bits/token f32 {bits['f32']:.4f} int8 {bits['int8']:.4f}")
-    assert abs(bits["int8"] - bits["f32"]) <= 0.02
+        return -lp.gather(1, ids[0, 1:, None]).mean().item() / torch.log(torch.tensor(2.0)).item()
+
+    b = {w: bits(build_model(ck.config, ck.state_dict, weights=w)) for w in ("f32", "int8", "int4")}
+    int4 = build_model(ck.config, ck.state_dict, weights="int4")
+    monkeypatch.setattr(transformer, "WIDEN_ROWS", 1 << 30)  # every matmul through the kernels
+    b["int4-decode"] = bits(int4)
+    print("bits/token " + ", ".join(f"{k} {v:.4f}" for k, v in b.items()))
+    assert abs(b["int8"] - b["f32"]) <= 0.02
+    assert 0 < b["int4"] - b["f32"] <= 0.15  # int4 does cost something: the test can fail both ways
+    assert abs(b["int4-decode"] - b["int4"]) <= 0.02
 
 
-@pytest.mark.parametrize("weights", ["bf16", "int8"])
+@pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
 def test_prefill_widening_in_blocks_matches_the_float_matrix(monkeypatch, weights):
     """Prefill-sized inputs widen bf16/int8 weights block by block; against float64 on the
     same effective weights the result is within twice the error of one float32 F.linear."""
     monkeypatch.setattr(transformer, "WIDEN_BLOCK", 16)
     g = torch.Generator().manual_seed(1)
-    lin = transformer.Linear(40, 70, bias=True)  # 70 rows: 4 full blocks and a partial one
-    lin.weight.data = torch.randn(70, 40, generator=g)
+    lin = transformer.Linear(64, 70, bias=True)  # 70 rows: 4 full blocks and a partial one
+    lin.weight.data = torch.randn(70, 64, generator=g)
     lin.bias.data = torch.randn(70, generator=g)
     if weights == "int8":
         lin.to_int8()
+    elif weights == "int4":
+        lin.to_int4()
+        assert lin.codes is not None
     else:
         lin.weight.data = lin.weight.data.to(torch.bfloat16)
-    x = torch.randn(transformer.WIDEN_ROWS + 3, 40, generator=g)
+    x = torch.randn(transformer.WIDEN_ROWS + 3, 64, generator=g)
     w = lin.effective_weight()
     ref = x.double() @ w.double().T + lin.bias.double()
     plain = torch.nn.functional.linear(x, w, lin.bias)

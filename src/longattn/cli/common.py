@@ -27,7 +27,8 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str = "smollm2-135
                    help="torch intra-op threads (the CPUs this process may use); several "
                         "streams share one pool, so do not start one process per stream")
     p.add_argument("--weights", default="f32",
-                   help="weight format: f32, bf16, or int8 (per output row); activations stay float32")
+                   help="weight format: f32, bf16, int8 (per output row) or int4 (groups of 32; decode "
+                        "quantizes activations to int8 per block of 32)")
     # the first releases spelled it --dtype float32|bfloat16
     p.add_argument("--dtype", dest="weights", help=argparse.SUPPRESS,
                    type=lambda v: {"float32": "f32", "bfloat16": "bf16"}.get(v, v))

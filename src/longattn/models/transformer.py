@@ -18,7 +18,8 @@ from ..config import ModelConfig
 from ..errors import LongattnError
 from ..ops import int8_kernel
 from .rope import apply_rope, inv_freq, rope_cos_sin
-from .weights import dequantize_int8, int8_matmul, parse_weights, quantize_int8
+from .weights import (dequantize_int4, dequantize_int8, int4_applies, int4_matmul, int8_matmul, parse_weights,
+                      quantize_int4, quantize_int8)
 
 
 class RMSNorm(nn.Module):
@@ -76,13 +77,26 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> 
 
 
 class Linear(nn.Module):
-    """``y = x W^T + b`` with W in float32, bf16 or int8 (``to_int8``: per-row scales)."""
+    """``y = x W^T + b`` with W in float32, bf16, int8 (``to_int8``: per-row scales) or int4
+    (``to_int4``: groups of 32 with a step and an offset each; see models.weights)."""
 
     def __init__(self, n_in: int, n_out: int, bias: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_out, n_in), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(n_out), requires_grad=False) if bias else None
         self.register_buffer("qweight", None)  # int8 [N, K] once to_int8() ran (weight is None)
+        self.register_buffer("codes", None)  # uint8 [N, K/2] once to_int4() ran (weight is None)
+
+    def to_int4(self) -> None:
+        """4-bit groups where the row length allows it (a multiple of 32), int8 otherwise."""
+        if not int4_applies(self.weight):
+            return self.to_int8()
+        codes, steps, offsets = quantize_int4(self.weight.data)
+        self.weight = None
+        self.codes = codes
+        self.register_buffer("steps", steps)  # float16 [N, K/32]
+        self.register_buffer("offsets", offsets)  # float16 [N, K/32]
+        self.kernel = "avx2" if int8_kernel.available() else "torch"  # see to_int8
 
     def to_int8(self) -> None:
         q, scales = quantize_int8(self.weight.data)
@@ -98,9 +112,17 @@ class Linear(nn.Module):
         """``[N, K]``: the matrix this layer multiplies by, in ``dtype``."""
         if self.qweight is not None:
             return dequantize_int8(self.qweight, self.scales, dtype)
+        if self.codes is not None:
+            return dequantize_int4(self.codes, self.steps, self.offsets, dtype)
         return self.weight.to(dtype)
 
     def forward(self, x):
+        if self.codes is not None:
+            if prefill_sized(x):  # dequantize blocks, float GEMM on float activations
+                return widened_linear(x, self.codes.shape[0], lambda i, j: dequantize_int4(
+                    self.codes[i:j], self.steps[i:j], self.offsets[i:j], x.dtype), self.bias)
+            y = int4_matmul(x, self.codes, self.steps, self.offsets, self.kernel)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
         if self.qweight is None:
             return _linear(x, self.weight, self.bias)
         if prefill_sized(x):  # dequantize blocks, float GEMM
@@ -111,7 +133,7 @@ class Linear(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """Embedding lookup from an int8 Linear's rows (tied head and table share one copy)."""
+    """Embedding lookup from an int8 or int4 Linear's rows (tied head and table share one copy)."""
 
     def __init__(self, table: Linear):
         super().__init__()
@@ -119,7 +141,12 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids [B, T]`` -> ``[B, T, hidden]`` float32."""
-        return self.table.qweight[ids].float() * self.table.scales[ids][..., None]
+        t = self.table
+        if t.codes is not None:
+            flat = ids.reshape(-1)
+            rows = dequantize_int4(t.codes[flat], t.steps[flat], t.offsets[flat])
+            return rows.reshape(*ids.shape, rows.shape[-1])
+        return t.qweight[ids].float() * t.scales[ids][..., None]
 
 
 class MLP(nn.Module):
@@ -250,7 +277,7 @@ class Transformer(nn.Module):
         self.model = _Inner(cfg)
         self.lm_head = None if cfg.tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False)
         self.weights = "f32"  # the weight format (models.weights); set by build_model
-        self._tied_head = None  # int8 + tied embeddings: the shared int8 table as a Linear
+        self._tied_head = None  # int8/int4 + tied embeddings: the shared quantized table as a Linear
 
     @property
     def activation_dtype(self) -> torch.dtype:
@@ -314,8 +341,9 @@ def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype = torch.f
     """Instantiate and load weights (strict: a missing or extra tensor is an error).
 
     ``dtype`` applies to the big matrices (projections, embeddings); norms stay float32.
-    ``weights`` ("f32", "bf16", "int8"; see models.weights) overrides ``dtype`` when given;
-    int8 quantizes every matrix per output row, the embedding table included.
+    ``weights`` ("f32", "bf16", "int8", "int4"; see models.weights) overrides ``dtype`` when
+    given; int8 quantizes every matrix per output row, the embedding table included, int4 in
+    groups of 32 (int4 decode also rounds activations to int8 per block of 32).
     ``fuse`` concatenates q/k/v and gate/up projections after loading (fewer, larger
     matmuls: the decode step is dominated by per-call overhead and weight reads).
     """
@@ -323,7 +351,8 @@ def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype = torch.f
         fmt = "bf16" if dtype == torch.bfloat16 else "f32"  # float64: an f32-format reference
     else:
         fmt = parse_weights(weights)
-        dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}[fmt]
+        dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32,
+                 "int4": torch.float32}[fmt]
     with torch.device("meta"):
         m = Transformer(cfg)
     m = m.to_empty(device="cpu")
@@ -351,21 +380,21 @@ def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype = torch.f
         for block in m.model.layers:
             block.self_attn.fuse()
             block.mlp.fuse()
-    if fmt == "int8":
-        _quantize_int8(m, cfg)
+    if fmt in ("int8", "int4"):
+        _quantize(m, cfg, fmt)
     m.weights = fmt
     m.eval()
     return m
 
 
-def _quantize_int8(m: Transformer, cfg: ModelConfig) -> None:
-    """Every Linear and the embedding table to int8 (in place, after fusing)."""
+def _quantize(m: Transformer, cfg: ModelConfig, fmt: str) -> None:
+    """Every Linear and the embedding table to int8 or int4 (in place, after fusing)."""
     for mod in list(m.modules()):
         if isinstance(mod, Linear):
-            mod.to_int8()
+            mod.to_int8() if fmt == "int8" else mod.to_int4()
     table = Linear(cfg.hidden_size, cfg.vocab_size, False)
     table.weight.data = m.model.embed_tokens.weight.data
-    table.to_int8()
+    table.to_int8() if fmt == "int8" else table.to_int4()
     m.model.embed_tokens = QuantEmbedding(table)
     if m.lm_head is None:
         m._tied_head = table

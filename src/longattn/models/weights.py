@@ -1,19 +1,26 @@
-"""Weight formats for the projection matrices: f32, bf16 and int8 (per output channel).
+"""Weight formats for the projection matrices: f32, bf16, int8 (per output channel) and int4
+(groups of 32).
 
 ``int8`` stores every 2-D weight (projections, embedding table, output head) as int8 rows with
 one float32 scale per row (symmetric, scale = max|row| / 127). Decode-sized matmuls (< WIDEN_ROWS
-rows) run PyTorch's CPU kernel ``aten._weight_int8pack_mm`` on bf16 activations: a step reads a
-quarter of the float32 bytes. Prefill-sized matmuls dequantize the weight to float32 once per
+rows) run longattn's AVX2 kernel on float32 activations (ops/int8_kernel.py; PyTorch's
+``aten._weight_int8pack_mm`` on bf16 activations where it cannot run): a step reads a quarter of
+the float32 bytes. Prefill-sized matmuls dequantize the weight to float32 once per
 call (this CPU has no fast int8 or bf16 GEMM for many rows; see WIDEN_ROWS in transformer.py).
 
 Per-row quantization commutes with concatenating rows, so the fused q/k/v and gate/up matrices
 hold exactly the values that quantizing each part would give: ``effective_state_dict`` uses that
 to build the float reference model that tests compare the int8 paths against.
 
-int4 is not offered: in a quick microbenchmark on this machine (one decode row, 2 threads,
-taken while other work ran, so indicative only) PyTorch's ``_weight_int4pack_mm_for_cpu`` was
-slower than bf16 ``F.linear`` on the 576x1536 and 49152x576 shapes and only ~15% faster on
-896x4864; a fused 4-bit kernel would be needed for int4 to pay.
+``int4`` stores every 2-D weight whose row length is a multiple of 32 as 4-bit codes in groups
+of 32 along the row, each group with a float16 step and a float16 offset (``d * u + m``,
+u in 0..15; 20 bytes per 32 weights). Decode-sized matmuls run longattn's kernel
+(ops/csrc/int4_gemv.cpp), which quantizes the activations to int8 per block of 32 once per call
+and takes exact integer dots; ``int4_matmul`` evaluates the same arithmetic in PyTorch where the
+kernel cannot run. Prefill-sized matmuls dequantize the weight
+to float32 and keep float32 activations. A matrix whose rows are not a multiple of 32 stays int8.
+(PyTorch's own ``_weight_int4pack_mm_for_cpu`` was slower than bf16 here on two of three shapes,
+and a float-activation 4-bit kernel ran 1.9x slower than the int8 one: bound by conversions.)
 """
 
 from __future__ import annotations
@@ -23,20 +30,20 @@ import torch
 from ..errors import LongattnError
 from ..ops.int8_kernel import int8_gemv
 
-WEIGHT_FORMATS = ("f32", "bf16", "int8")
+WEIGHT_FORMATS = ("f32", "bf16", "int8", "int4")
+INT4_GROUP = 32  # weights per int4 group (and activations per int8 block in its kernel)
 # names accepted on the command line and in the API (the old --dtype spellings included)
 _ALIASES = {"f32": "f32", "float32": "f32", "fp32": "f32", "bf16": "bf16", "bfloat16": "bf16",
-            "int8": "int8", "q8": "int8"}
+            "int8": "int8", "q8": "int8", "int4": "int4", "q4": "int4"}
 
 
 def parse_weights(name: str) -> str:
-    """Canonical weight-format name (``f32``, ``bf16`` or ``int8``); one-line error otherwise."""
+    """Canonical weight-format name (``f32``, ``bf16``, ``int8`` or ``int4``); one-line error otherwise."""
     if isinstance(name, torch.dtype):
         name = {torch.float32: "f32", torch.bfloat16: "bf16"}.get(name, str(name))
     key = _ALIASES.get(str(name).lower())
     if key is None:
-        hint = " (int4: PyTorch's CPU int4 kernel is slower than bf16 here)" if "4" in str(name) else ""
-        raise LongattnError(f"unknown weight format {name!r}{hint}; use one of {', '.join(WEIGHT_FORMATS)}")
+        raise LongattnError(f"unknown weight format {name!r}; use one of {', '.join(WEIGHT_FORMATS)}")
     return key
 
 
@@ -75,12 +82,82 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, scales_b
     return y.reshape(*shape[:-1], q.shape[0]).to(x.dtype)
 
 
+def int4_applies(w: torch.Tensor) -> bool:
+    """A 2-D weight can be stored as int4: its row length is a whole number of groups."""
+    return w.dim() == 2 and w.shape[1] % INT4_GROUP == 0
+
+
+def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit codes in groups of 32 along each row.
+
+    ``w [N, K]`` float (K a multiple of 32) -> (codes ``[N, K/2]`` uint8, d ``[N, K/32]`` float16,
+    m ``[N, K/32]`` float16): value ``k`` of group ``g`` is ``d * u + m`` with ``u`` in 0..15, held in
+    byte ``k % 16`` of the group's 16 bytes (low nibble for k < 16, high nibble otherwise).
+    The step and offset are rounded to float16 first and the codes chosen against the rounded
+    values, so the error is at most half a step (plus the offset's rounding, clamped at 0 and 15).
+    """
+    N, K = w.shape
+    if K % INT4_GROUP:
+        raise LongattnError(f"int4 needs rows that are a multiple of {INT4_GROUP} values, got {K}")
+    wg = w.float().reshape(N, K // INT4_GROUP, INT4_GROUP)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    if bool((hi.abs() > 65504).any() or (lo.abs() > 65504).any()):
+        raise LongattnError("int4 stores float16 steps: a weight exceeds float16's range; use int8")
+    d = ((hi - lo) / 15).half()
+    m = lo.half()
+    df = d.float()
+    safe = torch.where(df > 0, df, torch.ones_like(df))
+    u = torch.round((wg - m.float()[..., None]) / safe[..., None]).clamp_(0, 15).to(torch.uint8)
+    u = torch.where(df[..., None] > 0, u, torch.zeros_like(u))
+    half = INT4_GROUP // 2
+    codes = (u[..., :half] | (u[..., half:] << 4)).reshape(N, K // 2)
+    return codes.contiguous(), d.contiguous(), m.contiguous()
+
+
+def dequantize_int4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """``codes [N, K/2]``, ``d, m [N, K/32]`` -> ``[N, K]`` in ``dtype``; float64 holds ``d * u + m``
+    exactly (float32 may round the sum)."""
+    N = codes.shape[0]
+    c = codes.reshape(N, -1, INT4_GROUP // 2)
+    u = torch.cat([c & 15, c >> 4], dim=-1).to(dtype)
+    return (u * d.to(dtype)[..., None] + m.to(dtype)[..., None]).reshape(N, -1)
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """What the int4 kernel multiplies by: ``x [..., K]`` rounded to int8 per block of 32 with one
+    step ``max|x| / 127`` per block, returned dequantized in x's dtype (for float32 x these are
+    the kernel's own values, bit for bit)."""
+    xb = x.reshape(*x.shape[:-1], -1, INT4_GROUP)
+    step = xb.abs().amax(-1, keepdim=True) / 127
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    xq = torch.round(xb / safe).clamp_(-127, 127)
+    return (xq * step).reshape(x.shape)
+
+
+def int4_matmul(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                kernel: str = "torch") -> torch.Tensor:
+    """``x [..., K]`` -> ``quantize_activations(x) @ dequantize_int4(codes, d, m)^T`` as ``[..., N]``.
+
+    kernel "avx2" (float32 x only): longattn's kernel. Otherwise PyTorch evaluates the same
+    product in x's dtype (the fallback where the kernel cannot run).
+    """
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if kernel == "avx2" and x.dtype == torch.float32:
+        y = torch.ops.longattn_cpu.int4_gemv(x2, codes, d, m)
+    else:
+        y = quantize_activations(x2) @ dequantize_int4(codes, d, m, x.dtype).T
+    return y.reshape(*shape[:-1], codes.shape[0])
+
+
 def effective_state_dict(state_dict: dict, weights: str) -> dict:
     """The float32 weights a model built with ``weights`` really multiplies by.
 
-    For ``int8`` every 2-D tensor is quantized and dequantized per row; bf16 rounds the 2-D
-    tensors to bf16; f32 returns the dict unchanged. Build a float64 model from the result to get
-    an exact reference for the quantized paths.
+    For ``int8`` every 2-D tensor is quantized and dequantized per row; ``int4`` does the same in
+    groups (int8 for rows that are not a multiple of 32; values rounded to float32); bf16 rounds
+    the 2-D tensors to bf16; f32 returns the dict unchanged. Build a float64 model from the result
+    to get an exact reference for the quantized paths (int4 decode also rounds activations:
+    against this reference an int4 model's error is that rounding's, see tests/conftest.py).
     """
     fmt = parse_weights(weights)
     out = {}
@@ -89,6 +166,8 @@ def effective_state_dict(state_dict: dict, weights: str) -> dict:
             out[k] = t
         elif fmt == "bf16":
             out[k] = t.to(torch.bfloat16).float()
+        elif fmt == "int4" and int4_applies(t):
+            out[k] = dequantize_int4(*quantize_int4(t), dtype=torch.float64).float()
         else:
             out[k] = dequantize_int8(*quantize_int8(t))
     return out

@@ -7,7 +7,8 @@ after; editing a source or header makes a new build directory, so a stale build 
 Where it cannot be used (no AVX2, no compiler, or ``LONGATTN_NATIVE=off``) ``available()`` is
 False and every caller has a PyTorch path (see int8_kernel.py, static_decode.py).
 
-Ops (namespace ``longattn_cpu``): ``int8_gemv`` (csrc/int8_gemv.cpp),
+Ops (namespace ``longattn_cpu``): ``int8_gemv`` (csrc/int8_gemv.cpp), ``int4_gemv``
+(csrc/int4_gemv.cpp),
 ``decode_attention`` (csrc/decode_attention.cpp) and ``scsa_decode`` (csrc/scsa_decode.cpp, the
 sparse decode call of longattn.sparse; eager only, so it needs no fake).
 """
@@ -46,7 +47,7 @@ def _build() -> bool:
     build.mkdir(parents=True, exist_ok=True)
     try:
         load(name="longattn_native", sources=[str(p) for p in SOURCES], build_directory=str(build),
-             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
+             extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"],
              is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no ninja: the PyTorch paths still work
         warnings.warn(f"longattn: the native CPU kernels did not build ({str(e).splitlines()[0]}); "
@@ -57,6 +58,10 @@ def _build() -> bool:
     @torch.library.register_fake("longattn_cpu::int8_gemv")
     def _(x, q, s):
         return x.new_empty(x.shape[0], q.shape[0])
+
+    @torch.library.register_fake("longattn_cpu::int4_gemv")
+    def _(x, codes, d, m):
+        return x.new_empty(x.shape[0], codes.shape[0])
 
     @torch.library.register_fake("longattn_cpu::decode_attention")
     def _(q, k, v, k_pos, q_pos, k_new, v_new, window, sinks, scale):

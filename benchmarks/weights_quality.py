@@ -1,0 +1,100 @@
+"""Quality cost of each weight format: bits/token against float32 weights on the bundled books.
+
+    python benchmarks/weights_quality.py --threads 2 [--models ...] [--tokens 1024] [--passages 3]
+
+For every model and format, bits/token of next-token prediction over ``--passages`` passages of
+``--tokens`` tokens (one from each of the first bundled books, from 20% into the book body). Two
+arithmetics per quantized format:
+
+- ``prefill``: the chunked-prefill path (the weight dequantized to float32, float32 activations):
+  the cost of the weights alone;
+- ``decode``: every matmul through the decode kernels (as each generated token is computed; for
+  int4 that includes rounding activations to int8 per block of 32).
+
+Writes benchmarks/results/weights_quality.json (or --out). Quality only: nothing here is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from longattn.checkpoint import load_checkpoint  # noqa: E402
+from longattn.data import book_body, book_names  # noqa: E402
+from longattn.lab.plots import progress_bar  # noqa: E402
+from longattn.models import build_model, transformer  # noqa: E402
+
+
+def passages(tok, n_tokens: int, count: int) -> list:
+    """``count`` token lists of ``n_tokens``, one per book (books in name order), from 20% in."""
+    out = []
+    for name in book_names():
+        body = book_body(name)
+        ids = tok.encode(body[len(body) // 5:len(body) // 5 + 12 * n_tokens])
+        if len(ids) >= n_tokens:
+            out.append((name, ids[:n_tokens]))
+        if len(out) == count:
+            break
+    return out
+
+
+def bits_per_token(model, ids: list) -> float:
+    x = torch.tensor([ids])
+    lp = torch.log_softmax(model(x)[0, :-1].double(), -1)
+    return -lp.gather(1, x[0, 1:, None]).mean().item() / math.log(2)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m", "qwen2.5-0.5b"])
+    ap.add_argument("--formats", nargs="+", default=["bf16", "int8", "int4"])
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--passages", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "weights_quality.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    results = {"tokens": args.tokens, "models": {}}
+    widen = transformer.WIDEN_ROWS
+    for name in args.models:
+        ck = load_checkpoint(name)
+        texts = passages(ck.tokenizer, args.tokens, args.passages)
+        rows = {}
+        arms = [("f32", "prefill")] + [(f, a) for f in args.formats
+                                       for a in (("prefill",) if f == "bf16" else ("prefill", "decode"))]
+        bar = progress_bar(len(arms) * len(texts), desc=name, unit="passage")
+        for fmt, arith in arms:
+            model = build_model(ck.config, ck.state_dict, weights=fmt)
+            # "decode": every matmul runs the decode-sized kernels (what a generated token sees)
+            transformer.WIDEN_ROWS = 1 << 30 if arith == "decode" else widen
+            try:
+                bits = []
+                for _, ids in texts:
+                    bits.append(bits_per_token(model, ids))
+                    bar.update()
+            finally:
+                transformer.WIDEN_ROWS = widen
+            rows[f"{fmt}/{arith}"] = {"format": fmt, "arithmetic": arith, "bits": bits,
+                                      "mean_bits": sum(bits) / len(bits)}
+            del model
+        bar.close()
+        base = rows["f32/prefill"]["mean_bits"]
+        for r in rows.values():
+            r["delta_vs_f32"] = r["mean_bits"] - base
+        results["models"][name] = {"passages": [n for n, _ in texts], "rows": rows}
+        for key, r in rows.items():
+            print(f"{name:14s} {key:14s} {r['mean_bits']:.4f} bits/token  ({r['delta_vs_f32']:+.4f} vs f32)")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
