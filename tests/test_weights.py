@@ -170,6 +170,22 @@ def test_int4_kernel_matches_exact_reference(rows, K):
     assert torch.equal(torch.ops.longattn_cpu.int4_gemv(x.T.contiguous().T, codes, d, m), y)
 
 
+def test_int4_native_dequantize_is_the_correctly_rounded_weight():
+    """The prefill path's weight rows (one fma per value) equal float64's d * u + m rounded to
+    float32, bit for bit, for every group of a matrix with constant and zero groups."""
+    assert int8_kernel.available()
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(300, 160, generator=g) * torch.logspace(-4, 1, 300)[:, None]
+    w[7] = 0.0
+    w[9, 64:96] = -0.25
+    codes, d, m = quantize_int4(w)
+    exact = dequantize_int4(codes, d, m, torch.float64)
+    assert torch.equal(torch.ops.longattn_cpu.int4_dequantize(codes, d, m), exact.float())
+    assert torch.equal(dequantize_int4(codes, d, m), exact.float())
+    with pytest.raises(RuntimeError, match="shapes"):
+        torch.ops.longattn_cpu.int4_dequantize(codes, d[:, :2], m)
+
+
 def test_int4_kernel_rejects_wrong_dtypes_and_shapes():
     assert int8_kernel.available()
     codes, d, m = quantize_int4(torch.randn(4, 64))

@@ -63,6 +63,10 @@ def _build() -> bool:
     def _(x, codes, d, m):
         return x.new_empty(x.shape[0], codes.shape[0])
 
+    @torch.library.register_fake("longattn_cpu::int4_dequantize")
+    def _(codes, d, m):
+        return codes.new_empty(codes.shape[0], codes.shape[1] * 2, dtype=torch.float32)
+
     @torch.library.register_fake("longattn_cpu::decode_attention")
     def _(q, k, v, k_pos, q_pos, k_new, v_new, window, sinks, scale):
         return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -154,12 +154,49 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return y;
 }
 
+// Rows of the weight itself, for prefill-sized products (a float GEMM on float32
+// activations): codes [N, K/2], d, m [N, K/32] -> [N, K] float32, d * u + m per value in float32
+// (one fma; PyTorch's u * d + m rounds twice, so results may differ in the last bit).
+// Several PyTorch ops (unpack, concatenate, scale, shift) ran this at a third of the int8
+// dequantization's speed and made int4 prefill ~20% slower than int8's.
+at::Tensor int4_dequantize(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m) {
+  TORCH_CHECK(codes.dim() == 2 && d.dim() == 2 && m.dim() == 2, "int4_dequantize: codes [N, K/2], d, m [N, K/32]");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf,
+              "int4_dequantize: codes uint8, d and m float16");
+  const int64_t N = codes.size(0), K = codes.size(1) * 2, G = K / kGroup;
+  TORCH_CHECK(K % kGroup == 0 && d.size(0) == N && d.size(1) == G && m.size(0) == N && m.size(1) == G,
+              "int4_dequantize: shapes do not match");
+  const auto cc = codes.contiguous();
+  const auto dc = d.contiguous();
+  const auto mc = m.contiguous();
+  auto w = at::empty({N, K}, at::TensorOptions().dtype(at::kFloat));
+  const uint8_t* cp = cc.data_ptr<uint8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(dc.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(mc.data_ptr<at::Half>());
+  float* wp = w.data_ptr<float>();
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  at::parallel_for(0, N * G, 256, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {  // group i = row i / G, group i % G
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(cp + i * (kGroup / 2)));
+      const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+      const __m256 dv = _mm256_set1_ps(_cvtsh_ss(dp[i])), mv = _mm256_set1_ps(_cvtsh_ss(mp[i]));
+      float* out = wp + i * kGroup;
+      const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+      for (int j = 0; j < 4; ++j)
+        _mm256_storeu_ps(out + 8 * j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j])), dv, mv));
+    }
+  });
+  return w;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(longattn_cpu, m) {
   m.def("int4_gemv(Tensor x, Tensor codes, Tensor d, Tensor m) -> Tensor");
+  m.def("int4_dequantize(Tensor codes, Tensor d, Tensor m) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(longattn_cpu, CPU, m) {
   m.impl("int4_gemv", &int4_gemv);
+  m.impl("int4_dequantize", &int4_dequantize);
 }
