@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from longattn.checkpoint import load_checkpoint  # noqa: E402
 from longattn.data import all_books_text  # noqa: E402
 from longattn.models import build_model  # noqa: E402
+from longattn.models.weights import parse_recipe  # noqa: E402
 from longattn.ops import int8_kernel  # noqa: E402
 from longattn.policy import AttentionPolicy  # noqa: E402
 from longattn.sampling import greedy  # noqa: E402
@@ -196,7 +197,10 @@ def main():
         ck = load_checkpoint(name, progress=True)
         cfg = ck.config
         ids_all = ck.tokenizer(book)["input_ids"]
-        models = {w: build_model(cfg, ck.state_dict, weights=w) for w in args.formats}
+        models = {}
+        for w in args.formats:  # "int4+int8:qkv": int4 with the q/k/v projections kept in int8
+            fmt, keep = parse_recipe(w)
+            models[w] = build_model(cfg, ck.state_dict, weights=fmt, keep_int8=keep)
         hf = None
         if min(args.contexts) <= args.hf_max:
             from longattn.checkpoint.oracle import oracle_model

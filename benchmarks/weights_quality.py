@@ -1,6 +1,7 @@
 """Quality cost of each weight format: bits/token against float32 weights on the bundled books.
 
     python benchmarks/weights_quality.py --threads 2 [--models ...] [--tokens 1024] [--passages 3]
+        [--formats bf16 int8 int4] [--keep-int8 qkv gate_up]
 
 For every model and format, bits/token of next-token prediction over ``--passages`` passages of
 ``--tokens`` tokens (one from each of the first bundled books, from 20% into the book body). Two
@@ -10,6 +11,8 @@ arithmetics per quantized format:
   the cost of the weights alone;
 - ``decode``: every matmul through the decode kernels (as each generated token is computed; for
   int4 that includes rounding activations to int8 per block of 32).
+
+``--keep-int8 qkv ...`` adds int4 arms (decode arithmetic) that keep one kind of matrix in int8.
 
 Writes benchmarks/results/weights_quality.json (or --out). Quality only: nothing here is timed.
 """
@@ -30,6 +33,7 @@ from longattn.checkpoint import load_checkpoint  # noqa: E402
 from longattn.data import book_body, book_names  # noqa: E402
 from longattn.lab.plots import progress_bar  # noqa: E402
 from longattn.models import build_model, transformer  # noqa: E402
+from longattn.models.weights import parse_recipe  # noqa: E402
 
 
 def passages(tok, n_tokens: int, count: int) -> list:
@@ -54,7 +58,10 @@ def bits_per_token(model, ids: list) -> float:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m", "qwen2.5-0.5b"])
-    ap.add_argument("--formats", nargs="+", default=["bf16", "int8", "int4"])
+    ap.add_argument("--formats", nargs="*", default=["bf16", "int8", "int4"])
+    ap.add_argument("--keep-int8", nargs="*", default=[],
+                    help="extra int4 arms, each keeping the matrices whose module name contains "
+                         "this fragment in int8 (e.g. qkv, gate_up, down_proj, o_proj, embed)")
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--passages", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
@@ -69,9 +76,11 @@ def main():
         rows = {}
         arms = [("f32", "prefill")] + [(f, a) for f in args.formats
                                        for a in (("prefill",) if f == "bf16" else ("prefill", "decode"))]
+        arms += [(f"int4+int8:{frag}", "decode") for frag in args.keep_int8]
         bar = progress_bar(len(arms) * len(texts), desc=name, unit="passage")
         for fmt, arith in arms:
-            model = build_model(ck.config, ck.state_dict, weights=fmt)
+            base, keep = parse_recipe(fmt)
+            model = build_model(ck.config, ck.state_dict, weights=base, keep_int8=keep)
             # "decode": every matmul runs the decode-sized kernels (what a generated token sees)
             transformer.WIDEN_ROWS = 1 << 30 if arith == "decode" else widen
             try:

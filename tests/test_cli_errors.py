@@ -83,6 +83,8 @@ def test_heads_not_divisible(tmp_path):
     (["--window", "4", "--sinks", "-1"], "non-negative"),
     (["--threads", "0"], "threads"),
     (["--temperature", "-1"], "temperature"),
+    (["--weights", "fp8"], "unknown weight format"),
+    (["--weights", "int8+int8:qkv"], "only int4"),
 ])
 def test_impossible_settings(tmp_path, args, needle):
     r = run_cli(["generate", "--model", tiny_dir("llama"), "--max-new-tokens", "1", *args], tmp_path / "c")

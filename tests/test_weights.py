@@ -213,6 +213,22 @@ def test_each_format_builds_what_it_claims(weights):
     assert m.weights == weights
 
 
+def test_int4_keeps_the_named_matrices_in_int8():
+    from longattn.checkpoint import load_checkpoint
+    from conftest import tiny_dir
+    from longattn.models.weights import parse_recipe
+    assert parse_recipe("int4+int8:qkv,embed") == ("int4", ("qkv", "embed"))
+    assert parse_recipe("q8") == ("int8", ())
+    with pytest.raises(LongattnError, match="only int4"):
+        parse_recipe("int8+int8:qkv")
+    ck = load_checkpoint(tiny_dir("qwen2"), with_tokenizer=False)
+    m = build_model(ck.config, ck.state_dict, weights="int4", keep_int8=("qkv", "embed"))
+    layer = m.model.layers[0]
+    assert layer.self_attn.qkv.qweight is not None and layer.self_attn.qkv.codes is None
+    assert layer.mlp.gate_up.codes is not None and layer.self_attn.o_proj.codes is not None
+    assert m.model.embed_tokens.table.qweight is not None and m._tied_head is m.model.embed_tokens.table
+
+
 @pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("path", ["forward", "step"])
 def test_unset_and_wide_window_bit_for_bit_in_each_format(weights, path):

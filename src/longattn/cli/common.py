@@ -28,7 +28,9 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str = "smollm2-135
                         "streams share one pool, so do not start one process per stream")
     p.add_argument("--weights", default="f32",
                    help="weight format: f32, bf16, int8 (per output row) or int4 (groups of 32; decode "
-                        "quantizes activations to int8 per block of 32)")
+                        "quantizes activations to int8 per block of 32); int4+int8:embed keeps the "
+                        "matrices whose module name contains 'embed' (the embedding table and tied "
+                        "head) in int8 (fragments separated by commas)")
     # the first releases spelled it --dtype float32|bfloat16
     p.add_argument("--dtype", dest="weights", help=argparse.SUPPRESS,
                    type=lambda v: {"float32": "f32", "bfloat16": "bf16"}.get(v, v))
@@ -74,10 +76,10 @@ def load_model(args, progress: bool = True):
     """(checkpoint, model) from --model / --weights, with a one-line error on bad input."""
     from ..checkpoint import load_checkpoint
     from ..models import build_model
-    from ..models.weights import parse_weights
-    weights = parse_weights(getattr(args, "weights", "f32"))  # before the slow load
+    from ..models.weights import parse_recipe
+    weights, keep = parse_recipe(getattr(args, "weights", "f32"))  # before the slow load
     ck = load_checkpoint(args.model, progress=progress)
-    return ck, build_model(ck.config, ck.state_dict, weights=weights)
+    return ck, build_model(ck.config, ck.state_dict, weights=weights, keep_int8=keep)
 
 
 def run_guarded(fn, args) -> int:

@@ -337,13 +337,15 @@ class Transformer(nn.Module):
 
 
 def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype = torch.float32,
-                fuse: bool = True, weights: str | None = None) -> Transformer:
+                fuse: bool = True, weights: str | None = None, keep_int8: tuple = ()) -> Transformer:
     """Instantiate and load weights (strict: a missing or extra tensor is an error).
 
     ``dtype`` applies to the big matrices (projections, embeddings); norms stay float32.
     ``weights`` ("f32", "bf16", "int8", "int4"; see models.weights) overrides ``dtype`` when
     given; int8 quantizes every matrix per output row, the embedding table included, int4 in
-    groups of 32 (int4 decode also rounds activations to int8 per block of 32).
+    groups of 32 (int4 decode also rounds activations to int8 per block of 32). ``keep_int8``
+    (int4 only): module-name fragments whose matrices stay int8, e.g. ``("qkv",)`` for the
+    attention projections (``"embed"`` for the embedding table and tied head).
     ``fuse`` concatenates q/k/v and gate/up projections after loading (fewer, larger
     matmuls: the decode step is dominated by per-call overhead and weight reads).
     """
@@ -381,20 +383,25 @@ def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype = torch.f
             block.self_attn.fuse()
             block.mlp.fuse()
     if fmt in ("int8", "int4"):
-        _quantize(m, cfg, fmt)
-    m.weights = fmt
+        _quantize(m, cfg, fmt, tuple(keep_int8))
+    m.weights = fmt + (f"+int8:{','.join(keep_int8)}" if keep_int8 and fmt == "int4" else "")
     m.eval()
     return m
 
 
-def _quantize(m: Transformer, cfg: ModelConfig, fmt: str) -> None:
-    """Every Linear and the embedding table to int8 or int4 (in place, after fusing)."""
-    for mod in list(m.modules()):
+def _quantize(m: Transformer, cfg: ModelConfig, fmt: str, keep_int8: tuple = ()) -> None:
+    """Every Linear and the embedding table to int8 or int4 (in place, after fusing); with
+    int4, modules whose name contains a ``keep_int8`` fragment go to int8."""
+    def quantize(mod: Linear, name: str) -> None:
+        int8 = fmt == "int8" or any(frag in name for frag in keep_int8)
+        mod.to_int8() if int8 else mod.to_int4()
+
+    for name, mod in list(m.named_modules()):
         if isinstance(mod, Linear):
-            mod.to_int8() if fmt == "int8" else mod.to_int4()
+            quantize(mod, name)
     table = Linear(cfg.hidden_size, cfg.vocab_size, False)
     table.weight.data = m.model.embed_tokens.weight.data
-    table.to_int8() if fmt == "int8" else table.to_int4()
+    quantize(table, "model.embed_tokens")
     m.model.embed_tokens = QuantEmbedding(table)
     if m.lm_head is None:
         m._tied_head = table

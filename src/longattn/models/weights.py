@@ -83,6 +83,17 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, scales_b
     return y.reshape(*shape[:-1], q.shape[0]).to(x.dtype)
 
 
+def parse_recipe(spec: str) -> tuple[str, tuple]:
+    """``"int4+int8:qkv,gate_up"`` -> ``("int4", ("qkv", "gate_up"))``: a weight format plus the
+    module-name fragments kept in int8 (build_model's ``keep_int8``); a plain name has none."""
+    fmt, _, keep = str(spec).partition("+int8:")
+    fmt = parse_weights(fmt)
+    frags = tuple(f for f in keep.split(",") if f)
+    if frags and fmt != "int4":
+        raise LongattnError(f"only int4 can keep matrices in int8, got {spec!r}")
+    return fmt, frags
+
+
 def int4_applies(w: torch.Tensor) -> bool:
     """A 2-D weight can be stored as int4: its row length is a whole number of groups."""
     return w.dim() == 2 and w.shape[1] % INT4_GROUP == 0
