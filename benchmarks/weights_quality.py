@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from longattn.data import book_body, book_names  # noqa: E402
 from longattn.lab.plots import progress_bar  # noqa: E402
 from longattn.models import build_model, transformer  # noqa: E402
 from longattn.models.weights import parse_recipe  # noqa: E402
+from longattn.stream import nll_bits  # noqa: E402
 
 
 def passages(tok, n_tokens: int, count: int) -> list:
@@ -51,8 +51,7 @@ def passages(tok, n_tokens: int, count: int) -> list:
 
 def bits_per_token(model, ids: list) -> float:
     x = torch.tensor([ids])
-    lp = torch.log_softmax(model(x)[0, :-1].double(), -1)
-    return -lp.gather(1, x[0, 1:, None]).mean().item() / math.log(2)
+    return nll_bits(model(x)[0, :-1], x[0, 1:]).mean().item()
 
 
 def main():
@@ -79,8 +78,8 @@ def main():
         arms += [(f"int4+int8:{frag}", "decode") for frag in args.keep_int8]
         bar = progress_bar(len(arms) * len(texts), desc=name, unit="passage")
         for fmt, arith in arms:
-            base, keep = parse_recipe(fmt)
-            model = build_model(ck.config, ck.state_dict, weights=base, keep_int8=keep)
+            weights, keep = parse_recipe(fmt)
+            model = build_model(ck.config, ck.state_dict, weights=weights, keep_int8=keep)
             # "decode": every matmul runs the decode-sized kernels (what a generated token sees)
             transformer.WIDEN_ROWS = 1 << 30 if arith == "decode" else widen
             try:
@@ -94,9 +93,9 @@ def main():
                                       "mean_bits": sum(bits) / len(bits)}
             del model
         bar.close()
-        base = rows["f32/prefill"]["mean_bits"]
+        f32_bits = rows["f32/prefill"]["mean_bits"]
         for r in rows.values():
-            r["delta_vs_f32"] = r["mean_bits"] - base
+            r["delta_vs_f32"] = r["mean_bits"] - f32_bits
         results["models"][name] = {"passages": [n for n, _ in texts], "rows": rows}
         for key, r in rows.items():
             print(f"{name:14s} {key:14s} {r['mean_bits']:.4f} bits/token  ({r['delta_vs_f32']:+.4f} vs f32)")

@@ -265,12 +265,12 @@ def test_quantized_weights_cost_what_the_readme_says_on_a_book(monkeypatch):
     int4's decode arithmetic (activations rounded per block of 32) within 0.02 of its prefill."""
     from conftest import real_checkpoint
     from longattn.data import book_body
+    from longattn.stream import nll_bits
     ck = real_checkpoint("smollm2-135m")
     ids = torch.tensor([ck.tokenizer.encode(book_body())[:1024]])
 
     def bits(m):
-        lp = torch.log_softmax(m(ids)[0, :-1].double(), -1)
-        return -lp.gather(1, ids[0, 1:, None]).mean().item() / torch.log(torch.tensor(2.0)).item()
+        return nll_bits(m(ids)[0, :-1], ids[0, 1:]).mean().item()
 
     b = {w: bits(build_model(ck.config, ck.state_dict, weights=w)) for w in ("f32", "int8", "int4")}
     int4 = build_model(ck.config, ck.state_dict, weights="int4")

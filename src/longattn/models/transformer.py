@@ -108,27 +108,24 @@ class Linear(nn.Module):
         # to torch.compile, and a first-call build must not happen inside a trace.
         self.kernel = "avx2" if int8_kernel.available() else "aten"
 
-    def effective_weight(self, dtype=torch.float32) -> torch.Tensor:
-        """``[N, K]``: the matrix this layer multiplies by, in ``dtype``."""
+    def effective_weight(self, dtype=torch.float32, rows: slice = slice(None)) -> torch.Tensor:
+        """``[N, K]`` (or the ``rows`` of it): the matrix this layer multiplies by, in ``dtype``."""
         if self.qweight is not None:
-            return dequantize_int8(self.qweight, self.scales, dtype)
+            return dequantize_int8(self.qweight[rows], self.scales[rows], dtype)
         if self.codes is not None:
-            return dequantize_int4(self.codes, self.steps, self.offsets, dtype)
-        return self.weight.to(dtype)
+            return dequantize_int4(self.codes[rows], self.steps[rows], self.offsets[rows], dtype)
+        return self.weight[rows].to(dtype)
 
     def forward(self, x):
-        if self.codes is not None:
-            if prefill_sized(x):  # dequantize blocks, float GEMM on float activations
-                return widened_linear(x, self.codes.shape[0], lambda i, j: dequantize_int4(
-                    self.codes[i:j], self.steps[i:j], self.offsets[i:j], x.dtype), self.bias)
-            y = int4_matmul(x, self.codes, self.steps, self.offsets, self.kernel)
-            return y if self.bias is None else y + self.bias.to(y.dtype)
-        if self.qweight is None:
+        if self.qweight is None and self.codes is None:
             return _linear(x, self.weight, self.bias)
-        if prefill_sized(x):  # dequantize blocks, float GEMM
-            return widened_linear(x, self.qweight.shape[0], lambda i, j: dequantize_int8(
-                self.qweight[i:j], self.scales[i:j], x.dtype), self.bias)
-        y = int8_matmul(x, self.qweight, self.scales, self.scales_bf16, self.kernel)
+        if prefill_sized(x):  # dequantize blocks, float GEMM on float activations
+            n_out = (self.codes if self.codes is not None else self.qweight).shape[0]
+            return widened_linear(x, n_out, lambda i, j: self.effective_weight(x.dtype, slice(i, j)), self.bias)
+        if self.codes is not None:
+            y = int4_matmul(x, self.codes, self.steps, self.offsets, self.kernel)
+        else:
+            y = int8_matmul(x, self.qweight, self.scales, self.scales_bf16, self.kernel)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 

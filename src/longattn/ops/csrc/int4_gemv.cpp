@@ -116,26 +116,40 @@ inline float row_dot(const int8_t* xq, const uint8_t* codes, const uint16_t* d, 
   return hsum(_mm256_add_ps(_mm256_add_ps(acc0, acc1), am)) + off;
 }
 
+// The packed weight of both ops, checked once: codes [N, K/2] uint8, d and m [N, K/32] float16
+// (K: the activations' length for int4_gemv, twice the codes' width for int4_dequantize).
+struct PackedInt4 {
+  at::Tensor cc, dc, mc;  // contiguous copies (or the tensors themselves), kept alive
+  int64_t N, K, G;
+  const uint8_t* codes;
+  const uint16_t* d;
+  const uint16_t* m;
+
+  PackedInt4(const char* op, const at::Tensor& codes_, const at::Tensor& d_, const at::Tensor& m_, int64_t K_) {
+    TORCH_CHECK(codes_.dim() == 2 && d_.dim() == 2 && m_.dim() == 2, op, ": codes [N, K/2], d, m [N, K/32]");
+    TORCH_CHECK(codes_.scalar_type() == at::kByte && d_.scalar_type() == at::kHalf && m_.scalar_type() == at::kHalf,
+                op, ": codes uint8, d and m float16");
+    TORCH_CHECK(K_ % kGroup == 0, op, ": K must be a multiple of 32, got ", K_);
+    N = codes_.size(0), K = K_, G = K_ / kGroup;
+    TORCH_CHECK(codes_.size(1) * 2 == K && d_.size(0) == N && d_.size(1) == G && m_.size(0) == N && m_.size(1) == G,
+                op, ": shapes do not match");
+    cc = codes_.contiguous(), dc = d_.contiguous(), mc = m_.contiguous();
+    codes = cc.data_ptr<uint8_t>();
+    d = reinterpret_cast<const uint16_t*>(dc.data_ptr<at::Half>());
+    m = reinterpret_cast<const uint16_t*>(mc.data_ptr<at::Half>());
+  }
+};
+
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m) {
-  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && d.dim() == 2 && m.dim() == 2,
-              "int4_gemv: x [M, K], codes [N, K/2], d [N, K/32], m [N, K/32]");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && codes.scalar_type() == at::kByte &&
-                  d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf,
-              "int4_gemv: x float32, codes uint8, d and m float16");
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(K % kGroup == 0, "int4_gemv: K must be a multiple of 32, got ", K);
-  const int64_t G = K / kGroup;
-  TORCH_CHECK(codes.size(1) * 2 == K && d.size(0) == N && d.size(1) == G && m.size(0) == N && m.size(1) == G,
-              "int4_gemv: shapes do not match");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int4_gemv: x [M, K] float32");
+  const PackedInt4 w("int4_gemv", codes, d, m, x.size(1));
+  const int64_t M = x.size(0), K = w.K, N = w.N, G = w.G;
   const auto xc = x.contiguous();
-  const auto cc = codes.contiguous();
-  const auto dc = d.contiguous();
-  const auto mc = m.contiguous();
   auto y = at::empty({M, N}, xc.options());
   const float* xp = xc.data_ptr<float>();
-  const uint8_t* cp = cc.data_ptr<uint8_t>();
-  const uint16_t* dp = reinterpret_cast<const uint16_t*>(dc.data_ptr<at::Half>());
-  const uint16_t* mp = reinterpret_cast<const uint16_t*>(mc.data_ptr<at::Half>());
+  const uint8_t* cp = w.codes;
+  const uint16_t* dp = w.d;
+  const uint16_t* mp = w.m;
   float* yp = y.data_ptr<float>();
   // Activations to int8 per block, once per call: xq [M, K], dx [M, G], xs [M, G] = dx * sum(xq).
   std::vector<int8_t> xq(M * K);
@@ -161,19 +175,12 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 // Several PyTorch ops (unpack, concatenate, scale, shift) ran this at a third of the int8
 // dequantization's speed and made int4 prefill ~20% slower than int8's.
 at::Tensor int4_dequantize(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m) {
-  TORCH_CHECK(codes.dim() == 2 && d.dim() == 2 && m.dim() == 2, "int4_dequantize: codes [N, K/2], d, m [N, K/32]");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf,
-              "int4_dequantize: codes uint8, d and m float16");
-  const int64_t N = codes.size(0), K = codes.size(1) * 2, G = K / kGroup;
-  TORCH_CHECK(K % kGroup == 0 && d.size(0) == N && d.size(1) == G && m.size(0) == N && m.size(1) == G,
-              "int4_dequantize: shapes do not match");
-  const auto cc = codes.contiguous();
-  const auto dc = d.contiguous();
-  const auto mc = m.contiguous();
+  const PackedInt4 p("int4_dequantize", codes, d, m, codes.dim() == 2 ? codes.size(1) * 2 : 0);
+  const int64_t N = p.N, K = p.K, G = p.G;
   auto w = at::empty({N, K}, at::TensorOptions().dtype(at::kFloat));
-  const uint8_t* cp = cc.data_ptr<uint8_t>();
-  const uint16_t* dp = reinterpret_cast<const uint16_t*>(dc.data_ptr<at::Half>());
-  const uint16_t* mp = reinterpret_cast<const uint16_t*>(mc.data_ptr<at::Half>());
+  const uint8_t* cp = p.codes;
+  const uint16_t* dp = p.d;
+  const uint16_t* mp = p.m;
   float* wp = w.data_ptr<float>();
   const __m128i low4 = _mm_set1_epi8(0x0F);
   at::parallel_for(0, N * G, 256, [&](int64_t i0, int64_t i1) {
