@@ -111,7 +111,7 @@ def test_kernel_rejects_bad_inputs():
     index = layer.indexes[0]
     st = index.store
     args = [qs[0][0, :, 0], k[0], v[0], 4, 500, index.summ, index.resid, index.log_counts, index.radius,
-            index.vmean, index.counts, index.num_clusters, st.ki, st.ks, st.vi, st.vs, layer.taus, scale]
+            index.vmean, index.counts, index.num_clusters, st.kt, st.ks, st.vi, st.vs, layer.taus, scale]
     torch.ops.longattn_cpu.scsa_decode(*args)  # the valid call
     for i, bad, needle in ((1, k[0].double(), "float32"), (4, 10_000, "s0 <= s1 <= N"),
                            (11, index.summ.shape[1] + 1, "C >= M"), (16, torch.zeros(3), "taus")):

@@ -192,29 +192,61 @@ class FloatStore(PackedStore):
 
 
 class Q8Store(PackedStore):
-    """q8_0 rows: int8 values with one float32 scale per block of ``qblock`` values."""
+    """q8_0 rows: int8 values with one float32 scale per block of ``qblock`` values.
+
+    Keys are stored in the native scorer's layout, ``kt`` ``[Hkv, C, T, D/2, 8, 2]``: each
+    cluster's rows in tiles of 8 (``T = ceil(cluster_size / 8)``, zero padded) with dimensions
+    ``(2p, 2p+1)`` of the tile's 8 rows side by side, so one 16-byte read feeds eight rows' dot
+    products (ops/csrc/scsa_decode.cpp). ``ki`` is the row-major view ``[Hkv, C, cs, D]`` (a
+    copy); the PyTorch path un-tiles only the clusters it gathers.
+    """
 
     name = "q8_0"
+    TILE = 8
 
     def __init__(self, num_kv_heads: int, cluster_size: int, head_dim: int):
         super().__init__(num_kv_heads, cluster_size, head_dim)
         self.qblock = q8_block(head_dim)
         self.nb = head_dim // self.qblock
+        self.tiles = -(-cluster_size // self.TILE)
         self.block_eye = torch.eye(self.nb).repeat_interleave(self.qblock, dim=1)  # [nb, D]
         self._alloc()
 
     def _fields(self):
-        return ("ki", "ks", "vi", "vs")
+        return ("kt", "ks", "vi", "vs")
 
     def _empty(self, name, clusters):
-        if name in ("ki", "vi"):
+        if name == "kt":
+            return torch.zeros(self.hkv, clusters, self.tiles, self.d // 2, self.TILE, 2, dtype=torch.int8)
+        if name == "vi":
             return torch.zeros(self.hkv, clusters, self.cs, self.d, dtype=torch.int8)
         return torch.zeros(self.hkv, clusters, self.cs, self.nb, dtype=torch.float32)
+
+    def _tile(self, ints: torch.Tensor) -> torch.Tensor:
+        """Row-major int8 ``[..., cs, D]`` -> tiled ``[..., T, D/2, 8, 2]``."""
+        *lead, cs, D = ints.shape
+        pad = self.tiles * self.TILE - cs
+        if pad:
+            ints = torch.cat([ints, ints.new_zeros(*lead, pad, D)], dim=-2)
+        t = ints.reshape(*lead, self.tiles, self.TILE, D // 2, 2)
+        return t.transpose(-3, -2)
+
+    def _untile(self, tiled: torch.Tensor) -> torch.Tensor:
+        """Inverse of ``_tile``: ``[..., T, D/2, 8, 2]`` -> ``[..., cs, D]`` (a copy)."""
+        *lead, T, half, tile, two = tiled.shape
+        rows = tiled.transpose(-3, -2).reshape(*lead, T * tile, half * two)
+        return rows[..., :self.cs, :]
+
+    @property
+    def ki(self) -> torch.Tensor:
+        """Row-major keys ``[Hkv, C, cs, D]`` int8 (a copy of ``kt``'s contents)."""
+        return self._untile(self.kt)
 
     def write(self, c0, keys, values):
         C = keys.shape[1]
         self.ensure(c0 + C)
-        self.ki[:, c0:c0 + C], self.ks[:, c0:c0 + C] = quantize_q8(keys, self.qblock)
+        ki, self.ks[:, c0:c0 + C] = quantize_q8(keys, self.qblock)
+        self.kt[:, c0:c0 + C] = self._tile(ki)
         self.vi[:, c0:c0 + C], self.vs[:, c0:c0 + C] = quantize_q8(values, self.qblock)
 
     def prepare_query(self, qg):
@@ -229,9 +261,15 @@ class Q8Store(PackedStore):
         qbd = qi.float().unsqueeze(2) * self.block_eye  # [Hkv, g, nb, D]
         return qbd.reshape(hkv, g * self.nb, D).transpose(1, 2), qs.unsqueeze(1)
 
+    def _gather_keys(self, idx: torch.Tensor, h0: int) -> torch.Tensor:
+        """Row-major int8 keys of the given clusters, ``[h, K * cs, D]``."""
+        flat = self._flat(idx, h0)
+        tiles = self.kt.reshape(self.hkv * self.capacity, *self.kt.shape[2:]).index_select(0, flat)
+        return self._untile(tiles).reshape(idx.shape[0], -1, self.d)
+
     def scores(self, qprep, idx, h0=0):
         qbd_t, qs = qprep
-        ki = self._gather(self.ki, idx, h0).float()  # [h, R, D] exact small ints
+        ki = self._gather_keys(idx, h0).float()  # [h, R, D] exact small ints
         ks = self._gather(self.ks, idx, h0)  # [h, R, nb]
         dots = torch.bmm(ki, qbd_t)  # [h, R, g*nb]: exact integer block dots
         dots = dots.view(idx.shape[0], dots.shape[1], -1, self.nb)  # [h, R, g, nb]
@@ -247,7 +285,7 @@ class Q8Store(PackedStore):
         return dequantize_q8(qi, qs)
 
     def cluster_rows(self, h, c):
-        k = dequantize_q8(self.ki[h, c], self.ks[h, c]).double()
+        k = dequantize_q8(self._untile(self.kt[h, c]), self.ks[h, c]).double()
         v = dequantize_q8(self.vi[h, c], self.vs[h, c]).double()
         return k, v
 

@@ -9,7 +9,10 @@
 //   resid      [Hkv, C, D]       float32  residual diagonal variance
 //   log_counts [C]; radius [Hkv, C]; vmean [Hkv, C, D]; counts [C] int64 (members per cluster)
 //   M                                     live clusters (C >= M is the index's capacity)
-//   ki, vi     [Hkv, Cs, cs, D]  int8     packed member rows, members first in each cluster
+//   kt         [Hkv, Cs, T, D/2, 8, 2] int8  packed member keys, members first in each cluster, in
+//                                    tiles of 8 rows (T = ceil(cs / 8)), pair-interleaved: tile t
+//                                    holds dims (2p, 2p+1) of its 8 rows at [p][row][0:2]
+//   vi         [Hkv, Cs, cs, D]  int8     packed member values, row-major
 //   ks, vs     [Hkv, Cs, cs, nb] float32  one scale per block of D / nb values
 //   taus       [Hkv]             float32  stop-rule threshold per KV head
 //   -> (out [H, D] float32, opened [Hkv, M] bool, opened member rows over all heads: int64 scalar)
@@ -20,7 +23,8 @@
 // the G prefixes is opened; unopened clusters contribute m exp(a) at their value mean.
 // Phase B reads the opened clusters: (KV head, cluster chunk) items across threads, each scoring
 // its packed keys with integer block dots against the query quantized once (q8_0 x q8_0, exact
-// in int32), then one softmax part and the dequantized values. Parts merge exactly at the end.
+// in int32; 8-row tiles, all query heads per key load), then one softmax part and the values
+// (each int8 row widened once for all heads). Parts merge exactly at the end.
 //
 // Why it exists: the PyTorch path spends 1.5-3 ms of small ops per layer call (sort, gathers,
 // padding masks, several matmuls), more than the reads it saves below ~32K tokens.
@@ -36,8 +40,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -46,7 +52,6 @@ using longattn::axpy;
 using longattn::dot;
 using longattn::dot8;
 using longattn::exp_shift_sum;
-using longattn::hsum8;
 using longattn::merge_parts;
 using longattn::weighted_rows;
 
@@ -84,78 +89,84 @@ void quantize_row(const float* x, int64_t D, int64_t qb, int16_t* ints, float* s
   }
 }
 
-// Raw scores (no softmax scale) of G quantized queries with n <= 8 int8 key rows of one cluster:
-// s[g * stride + r] = sum_b (iq_g,b . ik_r,b) * ks_r,b * qs_g,b, in that order (as the PyTorch
-// path: block dot times key scale times query scale, summed over blocks). Integer block dots
-// are exact; the eight rows' dots of one block come out as one vector (lane r = row r).
-void q8_scores8(const int8_t* krows, const float* kscale, int64_t n, const int16_t* q16, const float* qs,
-                int64_t G, int64_t D, int64_t qb, float* s, int64_t stride) {
-  const int64_t nb = D / qb;
-  alignas(32) int16_t k16[8 * 512];
-  __m256 ksv[64];  // per block: the eight rows' key scales (D <= 512, qb >= 8)
-  for (int64_t r = 0; r < 8; ++r) {
-    int16_t* dst = k16 + r * D;
-    if (r >= n) {
-      std::fill(dst, dst + D, int16_t(0));
-      continue;
-    }
-    const int8_t* src = krows + r * D;
-    for (int64_t d = 0; d < D; d += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
-                          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d))));
+// Calls f(std::integral_constant<int, GN>) for 1 <= gn <= 8: the tile functions below keep one
+// accumulator register per query head, so the head count must be a compile-time constant.
+template <typename F>
+void with_heads(int64_t gn, F&& f) {
+  switch (gn) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
   }
+}
+
+// Raw scores (no softmax scale) of GN quantized queries with one tile of n <= 8 key rows:
+// s[g * stride + r] = sum_b (iq_g,b . ik_r,b) * ks_r,b * qs_g,b, in that order (as the PyTorch
+// path: block dot times key scale times query scale, summed over blocks). The tile is stored
+// pair-interleaved (packing.Q8Store.kt: [D/2][8 rows][2] int8), so one 16-byte load widened to
+// int16 holds dimensions (2p, 2p+1) of all eight rows, and one vpmaddwd against the query's
+// broadcast pair adds both products for eight rows at once: no horizontal sums, and each key
+// load serves every query head. Integer block dots are exact, so the floats equal a row-major
+// evaluation's.
+template <int GN>
+void q8_tile_scores(const int8_t* tile, const float* kscale, int64_t n, const int16_t* q16, const float* qs,
+                    int64_t D, int64_t qb, float* s, int64_t stride) {
+  const int64_t nb = D / qb;
+  __m256 acc[GN];
+  for (int g = 0; g < GN; ++g) acc[g] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    __m256i ai[GN];
+    for (int g = 0; g < GN; ++g) ai[g] = _mm256_setzero_si256();
+    for (int64_t p = b * qb / 2; p < (b + 1) * qb / 2; ++p) {
+      const __m256i kv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + p * 16)));
+      for (int g = 0; g < GN; ++g) {
+        int32_t pair;
+        std::memcpy(&pair, q16 + g * D + 2 * p, sizeof(pair));
+        ai[g] = _mm256_add_epi32(ai[g], _mm256_madd_epi16(kv, _mm256_set1_epi32(pair)));
+      }
+    }
     alignas(32) float col[8];
     for (int64_t r = 0; r < 8; ++r) col[r] = r < n ? kscale[r * nb + b] : 0.0f;
-    ksv[b] = _mm256_load_ps(col);
+    const __m256 ksv = _mm256_load_ps(col);
+    for (int g = 0; g < GN; ++g)
+      acc[g] = _mm256_add_ps(acc[g], _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(ai[g]), ksv),
+                                                   _mm256_set1_ps(qs[g * nb + b])));
   }
   alignas(32) float out8[8];
-  for (int64_t g = 0; g < G; ++g) {
-    const int16_t* qg = q16 + g * D;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      __m256 dots;
-      if (qb % 16 == 0) {
-        __m256 a[8];
-        for (int64_t r = 0; r < 8; ++r) {
-          __m256i ai = _mm256_setzero_si256();
-          for (int64_t d = b * qb; d < (b + 1) * qb; d += 16)
-            ai = _mm256_add_epi32(ai, _mm256_madd_epi16(
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k16 + r * D + d)),
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg + d))));
-          a[r] = _mm256_cvtepi32_ps(ai);
-        }
-        dots = hsum8(a);
-      } else {  // blocks of 8 values (head_dim not a multiple of 16): plain integer loops
-        alignas(32) float d8[8];
-        for (int64_t r = 0; r < 8; ++r) {
-          int32_t ai = 0;
-          for (int64_t d = b * qb; d < (b + 1) * qb; ++d) ai += int32_t(k16[r * D + d]) * int32_t(qg[d]);
-          d8[r] = static_cast<float>(ai);
-        }
-        dots = _mm256_load_ps(d8);
-      }
-      acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(dots, ksv[b]), _mm256_set1_ps(qs[g * nb + b])));
-    }
-    _mm256_store_ps(out8, acc);
+  for (int g = 0; g < GN; ++g) {
+    _mm256_store_ps(out8, acc[g]);
     for (int64_t r = 0; r < n; ++r) s[g * stride + r] = out8[r];
   }
 }
 
-// n <= 32 value rows dequantized into tile [n, D] (ints * block scale, as packing.Q8Store.values;
-// one rounding per element, so the same floats).
-void dequant_rows(const int8_t* vrows, const float* vscale, int64_t n, int64_t D, int64_t qb, float* tile) {
+// o_g[0:D] += sum_r p[g * stride + r] * vscale[r, b(d)] * vi[r, d] for GN heads over n <= 32
+// value rows (row-major int8 [n, D], one scale per block of qb values): the tile is summed
+// apart, then added (see tiled_weighted_rows). Each int8 row slice is widened once for all
+// heads; w [nb, 32, GN] is scratch for the per-head, per-block weights p * scale.
+template <int GN>
+void q8_tile_values(const int8_t* vrows, const float* vscale, int64_t n, const float* p, int64_t stride,
+                    int64_t D, int64_t qb, float* w, float* const* o) {
   const int64_t nb = D / qb;
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t b = 0; b < nb; ++b) {
-      const __m256 sc = _mm256_set1_ps(vscale[r * nb + b]);
-      const int8_t* src = vrows + r * D + b * qb;
-      float* dst = tile + r * D + b * qb;
-      for (int64_t i = 0; i < qb; i += 8) {  // qb is a multiple of 8
-        const __m128i b8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i));
-        _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b8)), sc));
-      }
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t r = 0; r < n; ++r)
+      for (int g = 0; g < GN; ++g) w[(b * 32 + r) * GN + g] = p[g * stride + r] * vscale[r * nb + b];
+  for (int64_t d0 = 0; d0 < D; d0 += 8) {  // qb is a multiple of 8: one block per slice
+    const float* wb = w + (d0 / qb) * 32 * GN;
+    __m256 acc[GN];
+    for (int g = 0; g < GN; ++g) acc[g] = _mm256_setzero_ps();
+    for (int64_t r = 0; r < n; ++r) {
+      const __m256 vv = _mm256_cvtepi32_ps(
+          _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(vrows + r * D + d0))));
+      for (int g = 0; g < GN; ++g) acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(wb[r * GN + g]), vv, acc[g]);
     }
+    for (int g = 0; g < GN; ++g)
+      _mm256_storeu_ps(o[g] + d0, _mm256_add_ps(_mm256_loadu_ps(o[g] + d0), acc[g]));
+  }
 }
 
 // o += sum_j p[j] * rows[j] in tiles of 32 rows, each summed apart first (tmp [D]): a sum over
@@ -171,7 +182,7 @@ void tiled_weighted_rows(const float* p, const float* const* rows, int64_t n, in
 std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t s0, int64_t s1,
     const at::Tensor& summ, const at::Tensor& resid, const at::Tensor& log_counts, const at::Tensor& radius,
-    const at::Tensor& vmean, const at::Tensor& counts, int64_t M, const at::Tensor& ki, const at::Tensor& ks,
+    const at::Tensor& vmean, const at::Tensor& counts, int64_t M, const at::Tensor& kt, const at::Tensor& ks,
     const at::Tensor& vi, const at::Tensor& vs, const at::Tensor& taus, double scale) {
   TORCH_CHECK(q.dim() == 2 && k.dim() == 3 && v.dim() == 3, "scsa_decode: q [H, D], k/v [Hkv, N, D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
@@ -188,10 +199,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
   TORCH_CHECK(resid.sizes() == at::IntArrayRef({Hkv, C, D}) && vmean.sizes() == resid.sizes() &&
               radius.sizes() == at::IntArrayRef({Hkv, C}) && log_counts.numel() >= M && counts.numel() >= M,
               "scsa_decode: resid/vmean [Hkv, C, D], radius [Hkv, C], log_counts/counts [>= M]");
-  TORCH_CHECK(ki.dim() == 4 && ki.size(0) == Hkv && ki.size(1) >= M && ki.size(3) == D &&
-              vi.sizes() == ki.sizes() && ki.scalar_type() == at::kChar && vi.scalar_type() == at::kChar,
-              "scsa_decode: ki/vi int8 [Hkv, Cs >= M, cs, D]");
-  const int64_t Cs = ki.size(1), cs = ki.size(2);
+  TORCH_CHECK(vi.dim() == 4 && vi.size(0) == Hkv && vi.size(1) >= M && vi.size(3) == D &&
+              kt.scalar_type() == at::kChar && vi.scalar_type() == at::kChar,
+              "scsa_decode: vi int8 [Hkv, Cs >= M, cs, D]");
+  const int64_t Cs = vi.size(1), cs = vi.size(2), tiles = (cs + 7) / 8;
+  TORCH_CHECK(kt.sizes() == at::IntArrayRef({Hkv, Cs, tiles, D / 2, 8, 2}),
+              "scsa_decode: kt int8 [Hkv, Cs, ceil(cs / 8), D / 2, 8, 2]");
   TORCH_CHECK(ks.dim() == 4 && ks.size(0) == Hkv && ks.size(1) == Cs && ks.size(2) == cs &&
               ks.size(3) > 0 && D % ks.size(3) == 0 && vs.sizes() == ks.sizes(),
               "scsa_decode: ks/vs [Hkv, Cs, cs, nb] with D % nb == 0");
@@ -200,8 +213,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
   TORCH_CHECK(taus.numel() == Hkv, "scsa_decode: taus [Hkv]");
   for (const auto* t : {&summ, &resid, &radius, &vmean, &ks, &vs, &log_counts, &taus})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "scsa_decode: float32 contiguous index tensors");
-  TORCH_CHECK(counts.scalar_type() == at::kLong && counts.is_contiguous() && ki.is_contiguous() && vi.is_contiguous(),
-              "scsa_decode: counts int64, ki/vi contiguous");
+  TORCH_CHECK(counts.scalar_type() == at::kLong && counts.is_contiguous() && kt.is_contiguous() && vi.is_contiguous(),
+              "scsa_decode: counts int64, kt/vi contiguous");
   const auto qc = q.contiguous();
 
   const int64_t G = H / Hkv, E = s0 + (N - s1), PW = D + 2;
@@ -214,7 +227,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
   const float *lcp = log_counts.data_ptr<float>(), *radp = radius.data_ptr<float>();
   const float *vmp = vmean.data_ptr<float>(), *tausp = taus.data_ptr<float>();
   const int64_t* cntp = counts.data_ptr<int64_t>();
-  const int8_t *kip = ki.data_ptr<int8_t>(), *vip = vi.data_ptr<int8_t>();
+  const int8_t *ktp = kt.data_ptr<int8_t>(), *vip = vi.data_ptr<int8_t>();
   const float *ksp = ks.data_ptr<float>(), *vsp = vs.data_ptr<float>();
 
   auto opened = at::zeros({Hkv, M}, q.options().dtype(at::kBool));
@@ -360,9 +373,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
   std::vector<float> item_parts(I * G * PW);
 
   at::parallel_for(0, I, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores, tile(32 * D), tmp(D);
-    std::vector<const float*> tptr(32);
-    for (int64_t t = 0; t < 32; ++t) tptr[t] = tile.data() + t * D;
+    std::vector<float> scores, w(D / qb * 32 * 8);
     for (int64_t it = i0; it < i1; ++it) {
       const Item& item = items[it];
       const int64_t h = item.h;
@@ -370,18 +381,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
       int64_t R = 0;
       for (int64_t j = item.c0; j < item.c1; ++j) R += cntp[ids[j]];
       scores.resize(G * R);
-      const int16_t* qh16 = q16.data() + h * G * D;
-      const float* qhs = qsc.data() + h * G * nb;
-      int64_t off = 0;
-      for (int64_t j = item.c0; j < item.c1; ++j) {
-        const int64_t c = ids[j], n = cntp[c];
-        const int8_t* kr = kip + ((h * Cs + c) * cs) * D;
-        const float* kscale = ksp + ((h * Cs + c) * cs) * nb;
-        for (int64_t r = 0; r < n; r += 8)
-          q8_scores8(kr + r * D, kscale + r * nb, std::min<int64_t>(8, n - r), qh16, qhs, G, D, qb,
-                     scores.data() + off + r, R);
-        off += n;
-      }
+      for (int64_t g0 = 0; g0 < G; g0 += 8)  // heads in register-sized chunks
+        with_heads(std::min<int64_t>(8, G - g0), [&](auto gn) {
+          constexpr int GN = decltype(gn)::value;
+          const int16_t* qh16 = q16.data() + (h * G + g0) * D;
+          const float* qhs = qsc.data() + (h * G + g0) * nb;
+          int64_t off = 0;
+          for (int64_t j = item.c0; j < item.c1; ++j) {
+            const int64_t c = ids[j], n = cntp[c];
+            const int8_t* kt = ktp + (h * Cs + c) * tiles * 8 * D;
+            const float* kscale = ksp + ((h * Cs + c) * cs) * nb;
+            for (int64_t r = 0; r < n; r += 8)
+              q8_tile_scores<GN>(kt + r * D, kscale + r * nb, std::min<int64_t>(8, n - r), qh16, qhs, D, qb,
+                                 scores.data() + g0 * R + off + r, R);
+            off += n;
+          }
+        });
       for (int64_t x = 0; x < G * R; ++x) scores[x] *= beta;
       for (int64_t g = 0; g < G; ++g) {
         Part pt{item_parts.data() + (it * G + g) * PW};
@@ -391,19 +406,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
         pt.p[0] = m;
         pt.p[1] = exp_shift_sum(sg, R, m);
       }
-      off = 0;
-      for (int64_t j = item.c0; j < item.c1; ++j) {
-        const int64_t c = ids[j], n = cntp[c];
-        for (int64_t r0 = 0; r0 < n; r0 += 32) {
-          const int64_t nr = std::min<int64_t>(32, n - r0);
-          dequant_rows(vip + ((h * Cs + c) * cs + r0) * D, vsp + ((h * Cs + c) * cs + r0) * nb, nr, D, qb,
-                       tile.data());
-          for (int64_t g = 0; g < G; ++g)  // one tile: summed apart, then added (see tiled_weighted_rows)
-            tiled_weighted_rows(scores.data() + g * R + off + r0, tptr.data(), nr, D,
-                                item_parts.data() + (it * G + g) * PW + 2, tmp.data());
-        }
-        off += n;
-      }
+      for (int64_t g0 = 0; g0 < G; g0 += 8)
+        with_heads(std::min<int64_t>(8, G - g0), [&](auto gn) {
+          constexpr int GN = decltype(gn)::value;
+          float* outs[GN];
+          for (int g = 0; g < GN; ++g) outs[g] = item_parts.data() + (it * G + g0 + g) * PW + 2;
+          int64_t off = 0;
+          for (int64_t j = item.c0; j < item.c1; ++j) {
+            const int64_t c = ids[j], n = cntp[c];
+            for (int64_t r0 = 0; r0 < n; r0 += 32)
+              q8_tile_values<GN>(vip + ((h * Cs + c) * cs + r0) * D, vsp + ((h * Cs + c) * cs + r0) * nb,
+                                 std::min<int64_t>(32, n - r0), scores.data() + g0 * R + off + r0, R, D, qb,
+                                 w.data(), outs);
+            off += n;
+          }
+        });
     }
   });
 
@@ -427,7 +444,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
 
 TORCH_LIBRARY_FRAGMENT(longattn_cpu, m) {
   m.def("scsa_decode(Tensor q, Tensor k, Tensor v, int s0, int s1, Tensor summ, Tensor resid, "
-        "Tensor log_counts, Tensor radius, Tensor vmean, Tensor counts, int M, Tensor ki, Tensor ks, "
+        "Tensor log_counts, Tensor radius, Tensor vmean, Tensor counts, int M, Tensor kt, Tensor ks, "
         "Tensor vi, Tensor vs, Tensor taus, float scale) -> (Tensor, Tensor, Tensor)");
 }
 
