@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from longattn.checkpoint import load_checkpoint  # noqa: E402
 from longattn.data import all_books_text  # noqa: E402
+from longattn.host import cpu_description  # noqa: E402
 from longattn.models import build_model  # noqa: E402
 from longattn.models.weights import parse_recipe  # noqa: E402
 from longattn.ops import int8_kernel  # noqa: E402
@@ -293,7 +294,7 @@ def main():
            "bandwidth_bytes_s": bandwidth, "compile_seconds": compile_s,
            "int8_kernel": int8_kernel.kernel_name(), "static_attention": args.static_attention,
            "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-           "cpus": os.cpu_count(), "llama_cpp": getattr(llama_cpp, "__version__", None), "rows": rows}
+           "cpus": os.cpu_count(), "cpu": cpu_description(), "llama_cpp": getattr(llama_cpp, "__version__", None), "rows": rows}
     Path(args.out).write_text(json.dumps(doc, indent=1))
     plot(doc, Path(args.out).with_suffix(".png"))
     print(f"wrote {args.out}")

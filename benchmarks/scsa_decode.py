@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from longattn.cache import KVCache  # noqa: E402
 from longattn.checkpoint import load_checkpoint  # noqa: E402
 from longattn.data import all_books_text  # noqa: E402
+from longattn.host import cpu_description  # noqa: E402
 from longattn.models import build_model  # noqa: E402
 from longattn.ops import native  # noqa: E402
 from longattn.policy import AttentionPolicy  # noqa: E402
@@ -197,7 +198,7 @@ def main():
     out = {"model": args.model, "weights": args.weights, "threads": args.threads, "packing": args.packing,
            "dense_read": "fused" if native.available() else "matmul", "scsa_kernel":
                "native" if native.available() else "torch",
-           "tolerance": args.tolerance, "metric": args.metric, "rows": rows, "sustained": sustained, "prefill_seconds": prefill_s}
+           "tolerance": args.tolerance, "metric": args.metric, "cpu": cpu_description(), "rows": rows, "sustained": sustained, "prefill_seconds": prefill_s}
     Path(args.out).write_text(json.dumps(out, indent=1))
     try:
         import matplotlib
