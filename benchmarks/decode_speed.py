@@ -15,10 +15,11 @@ For each model and context T (book tokens):
                              default; more names add A/B arms compiled-int8-<name>)
       compiled-f32           the same on the dense policy at T <= --hf-max (same weights as
                              the transformers arm)
-      sparse-{bf16,int8}     SCSA on every layer after its 32 calibration steps (qwen only,
-                             T >= 8192; eager)
   * policies: "dense" = the checkpoint's attention (Gemma 3: its trained 512-token local
     windows); "window" = window 1,024 + 4 sinks on the layers the checkpoint leaves global;
+    "sparse" (T >= --sparse-min) = SCSA on those layers (q8_0, tolerance 0.025, group metric),
+    every eager and compiled arm with a fresh index and 32 untimed calibration steps first,
+    from the dense loop's prefilled cache;
   * transformers f32 (its own prefill) at T <= --hf-max; llama.cpp on the same GGUF file (timed
     in every policy's loop, alternated with its arms) and thread count at every T; above
     --llamacpp-prefill-max it prefills once and later repeats restore that state.
@@ -61,6 +62,7 @@ from longattn.static_decode import StaticDecoder  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WINDOW, SINKS = 1024, 4
+SCSA_CALIB = 32  # SCSAConfig.calib_steps: untimed steps before a sparse arm's timed ones
 
 
 def measure_bandwidth(mb: int = 1024, repeats: int = 7) -> float:
@@ -95,11 +97,30 @@ def read_kv_bytes(cfg, policy, T: int) -> int:
                for lp in policy.layers)
 
 
-def policies(cfg, T: int, names) -> dict:
+def sparse_policy(cfg) -> AttentionPolicy:
+    """SCSA on the checkpoint's global layers (every layer of Qwen and SmolLM2), a fresh index
+    and calibration each time: library defaults but for the group error metric (the SCSA
+    tables' setting) and no minimum context."""
+    from longattn.sparse import SCSAConfig
+    from longattn.sparse_policy import build_sparse_policy
+    return build_sparse_policy(cfg, SCSAConfig(min_context=0, calib_metric="group"))
+
+
+def policies(cfg, T: int, names, sparse_min: int) -> dict:
     out = {"dense": AttentionPolicy.from_config(cfg)}
     if T > WINDOW:
         out["window"] = AttentionPolicy.build(cfg, "global", window=WINDOW, sinks=SINKS)
+    if T >= sparse_min:
+        out["sparse"] = sparse_policy(cfg)
     return {k: v for k, v in out.items() if k in names}
+
+
+def calibrated(step, first, steps: int):
+    """``step`` after ``steps`` untimed greedy steps (SCSA's calibration, exact attention)."""
+    tok = first
+    for _ in range(steps):
+        tok = greedy(step(tok))
+    return step
 
 
 def time_decode(prefill, step, steps: int) -> tuple:
@@ -164,8 +185,8 @@ def main():
     ap.add_argument("--compiled-dense", nargs="*", default=["f32"],
                     help="formats with a compiled arm on the dense policy at T <= --hf-max only "
                          "(the same-weights comparison with transformers)")
-    ap.add_argument("--policies", nargs="+", default=["dense", "window"], choices=["dense", "window"])
-    ap.add_argument("--compiled-policies", nargs="+", default=["dense", "window"], choices=["dense", "window"],
+    ap.add_argument("--policies", nargs="+", default=["dense", "window"], choices=["dense", "window", "sparse"])
+    ap.add_argument("--compiled-policies", nargs="+", default=["dense", "window"], choices=["dense", "window", "sparse"],
                     help="policies with compiled arms (each compiles its own graph per T)")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2)
@@ -174,7 +195,8 @@ def main():
     ap.add_argument("--prefill-max", type=int, default=2048, help="largest T for per-format prefill")
     ap.add_argument("--llamacpp-prefill-max", type=int, default=8192,
                     help="above this T llama.cpp prefills once and restores that state for later repeats")
-    ap.add_argument("--sparse-min", type=int, default=8192, help="smallest T for the SCSA arm")
+    ap.add_argument("--sparse-min", type=int, default=8192,
+                    help="smallest T for the sparse policy (--policies sparse)")
     ap.add_argument("--static-attention", nargs="+", default=["fused"], choices=["fused", "matmul", "flash"],
                     help="how compiled arms read their K/V buffers (StaticDecoder attention=); the "
                          "first is arm compiled-<format>, others compiled-<format>-<name> (an A/B)")
@@ -217,21 +239,36 @@ def main():
             llm = llama_cpp.Llama(str(ck.source), n_threads=args.threads, n_threads_batch=args.threads,
                                   n_ctx=T + args.steps + 8, n_batch=512, verbose=False) if llama_cpp else None
             llm_saved = {} if T > args.llamacpp_prefill_max else None
-            for pname, pol in policies(cfg, T, args.policies).items():
-                # the shared prefilled cache (f32 prefill timed as longattn's prefill figure)
-                base = Session(models.get("f32") or build_model(cfg, ck.state_dict), pol)
-                t0 = time.perf_counter()
-                base.prefill([ids], chunk=512)
-                prefill = {"eager-f32": time.perf_counter() - t0}
+            dense_base = None
+            for pname, pol in policies(cfg, T, args.policies, args.sparse_min).items():
+                # the shared prefilled cache (f32 prefill timed as longattn's prefill figure); the
+                # sparse loop reuses the dense one's (SCSA changes decode only: same cache)
+                prefill = {}
+                if pname == "sparse" and dense_base is not None:
+                    base = dense_base
+                else:
+                    base = Session(models.get("f32") or build_model(cfg, ck.state_dict), pol)
+                    t0 = time.perf_counter()
+                    base.prefill([ids], chunk=512)
+                    prefill = {"eager-f32": time.perf_counter() - t0}
+                if pname == "dense":
+                    dense_base = base
+                # sparse arms: fresh indexes, SCSA_CALIB untimed calibration steps, then timed
+                calib = SCSA_CALIB if pname == "sparse" else 0
+                room = T + calib + args.steps + 1
                 arms = {}
                 for w, m in models.items():
-                    arms[f"eager-{w}"] = (m, lambda m=m: Session(m, pol, cache=copy.deepcopy(base.cache)).step)
+                    if pname == "sparse":
+                        arms[f"eager-{w}"] = (m, lambda m=m: calibrated(
+                            Session(m, sparse_policy(cfg), cache=copy.deepcopy(base.cache)).step, first, calib))
+                    else:
+                        arms[f"eager-{w}"] = (m, lambda m=m: Session(m, pol, cache=copy.deepcopy(base.cache)).step)
                     if (w in args.compiled and pname in args.compiled_policies) or \
                             (w in args.compiled_dense and pname == "dense" and T <= args.hf_max):
                         for n_att, att in enumerate(args.static_attention):
                             key, arm = (w, pname, att), f"compiled-{w}" + (f"-{att}" if n_att else "")
                             if key not in decoders:
-                                decoders[key] = StaticDecoder(m, pol, max_len=T + args.steps + 1, attention=att)
+                                decoders[key] = StaticDecoder(m, pol, max_len=room, attention=att)
                                 t0 = time.perf_counter()
                                 decoders[key].warmup()
                                 label = f"{name}/{w}/{pname}" + (f"/{att}" if n_att else "")
@@ -239,9 +276,11 @@ def main():
                                 print(f"  compiled {label} in {compile_s[label]:.0f} s", flush=True)
 
                             def make(dec=decoders[key]):
-                                dec.reset(T + args.steps + 1)
+                                if dec.sparse is not None:
+                                    dec.sparse.clear()  # fresh indexes and calibration
+                                dec.reset(room)
                                 dec.load_cache(copy.deepcopy(base.cache))
-                                return dec.step
+                                return calibrated(dec.step, first, calib)
                             arms[arm] = (m, make)
                 samples = {a: [] for a in arms}
                 other, prefills = {}, {}
@@ -265,10 +304,8 @@ def main():
                         if r:
                             other.setdefault("llama.cpp", ([], []))[0].append(p)
                             other["llama.cpp"][1].extend(ts)
-                if name.startswith("qwen") and T >= args.sparse_min and pname == "dense":
-                    samples.update(sparse_arms(models, cfg, base, first, args))
                 for arm, ts in samples.items():
-                    w = arm.split("-")[1]  # eager-int8, compiled-int8-matmul, sparse-int8
+                    w = arm.split("-")[1]  # eager-int8, compiled-int8-matmul
                     row = {"model": name, "T": T, "policy": pname, "arm": arm,
                            "decode_tok_s": 1 / statistics.median(ts)}
                     if arm in prefills:
@@ -298,23 +335,6 @@ def main():
     Path(args.out).write_text(json.dumps(doc, indent=1))
     plot(doc, Path(args.out).with_suffix(".png"))
     print(f"wrote {args.out}")
-
-
-def sparse_arms(models, cfg, base, first, args) -> dict:
-    """SCSA on every layer (bf16/int8 weights): 32 untimed calibration steps, then timed ones."""
-    from longattn.sparse import SCSAConfig
-    from longattn.sparse_policy import build_sparse_policy
-    out = {}
-    for w in ("bf16", "int8"):
-        if w not in models:
-            continue
-        pol = build_sparse_policy(cfg, SCSAConfig(min_context=0))
-        s = Session(models[w], pol, cache=copy.deepcopy(base.cache))
-        tok = first
-        for _ in range(32):
-            tok = s.step(tok).argmax(-1)
-        out[f"sparse-{w}"] = time_steps(s.step, tok, args.steps * args.repeats)
-    return out
 
 
 def add_ratios(rows) -> None:
