@@ -120,3 +120,10 @@ def test_kernel_rejects_bad_inputs():
         with pytest.raises(RuntimeError, match=needle):
             torch.ops.longattn_cpu.scsa_decode(*wrong)
 
+
+
+@pytest.mark.parametrize("cluster_size", [20, 13])
+def test_cluster_sizes_off_the_8_row_tiles(cluster_size):
+    """Clusters whose size is not a multiple of the 8-row key tile (the last tile padded)."""
+    layer = check_case(14, 2, 64, 700, 0.05, seed=5, cluster_size=cluster_size)
+    assert 0 < layer.counters["opened_rows"]

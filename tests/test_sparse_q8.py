@@ -65,3 +65,24 @@ def test_packed_store_scores_are_q8_dots():
     assert bool(((scores - exact).abs() <= bound * (1 + 1e-5) + 1e-4).all())
     vals_back = store.values(idx).view(hkv, 3, cs, d)
     assert (vals_back - vals[torch.arange(hkv).unsqueeze(1), idx]).abs().max() <= store.vs.max() / 2 + 1e-7
+
+
+@pytest.mark.parametrize("cs,d", [(8, 64), (20, 40), (5, 16)])
+def test_tiled_keys_hold_the_quantized_rows(cs, d):
+    """kt is a pure relayout: untiling gives back exactly the row-major int8 keys, rows beyond
+    the cluster size (padding up to a multiple of 8) stay zero, and tile t holds dimensions
+    (2p, 2p+1) of rows 8t..8t+7 at [t, p, row, 0:2] (the native scorer's reading order)."""
+    g = torch.Generator().manual_seed(1)
+    hkv, C = 2, 3
+    keys = torch.randn(hkv, C, cs, d, generator=g)
+    store = make_store("q8_0", hkv, cs, d)
+    store.write(0, keys, torch.randn(hkv, C, cs, d, generator=g))
+    ki, _ = quantize_q8(keys, store.qblock)
+    assert torch.equal(store.ki[:, :C], ki)
+    kt = store.kt[:, :C]
+    assert kt.shape == (hkv, C, -(-cs // 8), d // 2, 8, 2)
+    for t in range(kt.shape[2]):
+        for r in range(8):
+            row = 8 * t + r
+            want = ki[:, :, row] if row < cs else torch.zeros_like(ki[:, :, 0])
+            assert torch.equal(kt[:, :, t, :, r, :].reshape(hkv, C, d), want)

@@ -197,7 +197,7 @@ class Q8Store(PackedStore):
     Keys are stored in the native scorer's layout, ``kt`` ``[Hkv, C, T, D/2, 8, 2]``: each
     cluster's rows in tiles of 8 (``T = ceil(cluster_size / 8)``, zero padded) with dimensions
     ``(2p, 2p+1)`` of the tile's 8 rows side by side, so one 16-byte read feeds eight rows' dot
-    products (ops/csrc/scsa_decode.cpp). ``ki`` is the row-major view ``[Hkv, C, cs, D]`` (a
+    products (ops/csrc/scsa_decode.cpp). ``ki`` gives the row-major form ``[Hkv, C, cs, D]`` (a
     copy); the PyTorch path un-tiles only the clusters it gathers.
     """
 
