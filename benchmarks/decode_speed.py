@@ -212,8 +212,10 @@ def main():
     print(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s (read, {args.threads} threads)", flush=True)
     try:
         import llama_cpp
-    except ImportError:
+    except ImportError as e:
         llama_cpp = None
+        if e.name != "llama_cpp":  # installed but broken (e.g. --no-deps left out diskcache)
+            print(f"llama.cpp arm skipped: llama_cpp does not import ({e})", file=sys.stderr, flush=True)
     book = all_books_text()
     rows, compile_s = [], {}
     for name in args.models:
