@@ -260,11 +260,9 @@ def main():
                 room = T + calib + args.steps + 1
                 arms = {}
                 for w, m in models.items():
-                    if pname == "sparse":
-                        arms[f"eager-{w}"] = (m, lambda m=m: calibrated(
-                            Session(m, sparse_policy(cfg), cache=copy.deepcopy(base.cache)).step, first, calib))
-                    else:
-                        arms[f"eager-{w}"] = (m, lambda m=m: Session(m, pol, cache=copy.deepcopy(base.cache)).step)
+                    arms[f"eager-{w}"] = (m, lambda m=m: calibrated(Session(
+                        m, sparse_policy(cfg) if pname == "sparse" else pol,  # sparse: a fresh index
+                        cache=copy.deepcopy(base.cache)).step, first, calib))
                     if (w in args.compiled and pname in args.compiled_policies) or \
                             (w in args.compiled_dense and pname == "dense" and T <= args.hf_max):
                         for n_att, att in enumerate(args.static_attention):

@@ -22,12 +22,12 @@ def cpu_description() -> dict:
             for line in f:
                 key, _, value = line.partition(":")
                 key = key.strip()
+                if not key:  # the first processor's block ends: the others repeat it
+                    break
                 if key == "model name":
                     model = value.strip()
                 elif key == "flags":
                     flags = set(value.split())
-                if model and flags and key == "":
-                    break
     except OSError:
         pass
     return {"model": model, "flags": [f for f in FLAGS_OF_INTEREST if f in flags], "cpus": os.cpu_count()}
