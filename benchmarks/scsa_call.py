@@ -2,7 +2,9 @@
 
 Arms, alternated per repeat on the same synthetic clustered cache (14 query / 2 KV heads,
 head_dim 64, float32; sparse.synthetic):
-  * scsa-native: SCSALayer.attend with the C++ call (SCSAConfig.native, the default);
+  * scsa-native: SCSALayer.attend with the C++ call (SCSAConfig.native, the default); where the
+    CPU has AVX-512 VNNI, as two arms: scsa-native-avx2 and scsa-native-avx512 (the forms of
+    its opened-cluster phase, bit-identical outputs; native.scsa_avx512);
   * scsa-torch:  the same layer on the PyTorch ops (native=False), same decisions;
   * fused-dense: longattn's fused C++ dense decode kernel over every row (the eager
     Session's and the static step's dense read);
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from longattn.host import cpu_description  # noqa: E402
 from longattn.ops import native  # noqa: E402
 from longattn.sparse import SCSAConfig, SCSALayer  # noqa: E402
 from longattn.sparse.synthetic import synthetic_cache  # noqa: E402
@@ -56,6 +59,7 @@ def main():
     if not native.available():
         sys.exit("scsa_call: the native kernels are not built here (needs AVX2 and a compiler)")
     scale = D ** -0.5
+    wide = native.scsa_avx512(None)
     rows = []
     for n in args.sizes:
         cache = synthetic_cache(n, HKV, D, seed=1)
@@ -64,12 +68,14 @@ def main():
         k_pos = torch.arange(n).unsqueeze(0)
         q_pos = torch.full((1, 1), n - 1)
         none = k[:, :, :0]
-        layers = {}
+        layers, form = {}, {}
+        natives = {"scsa-native-avx2": False, "scsa-native-avx512": True} if wide else {"scsa-native": None}
         for tau in args.taus:
-            for arm, nat in (("scsa-native", True), ("scsa-torch", False)):
+            for arm, nat in [(a, True) for a in natives] + [("scsa-torch", False)]:
                 layer = SCSALayer(SCSAConfig(min_context=0, calib_steps=0, tau_default=tau, native=nat), H, HKV, D)
                 layer.attend(qs[0], k, v, scale)  # builds the index, untimed
                 layers[(arm, tau)] = layer
+                form[f"{arm}@{tau}"] = natives.get(arm)
         arms = {f"{arm}@{tau}": (lambda i, L=layer: L.attend(qs[i], k, v, scale))
                 for (arm, tau), layer in layers.items()}
         arms["fused-dense"] = lambda i: torch.ops.longattn_cpu.decode_attention(
@@ -78,11 +84,13 @@ def main():
         samples = {a: [] for a in arms}
         for _ in range(args.repeats):
             for a, fn in arms.items():
+                native.scsa_avx512(form.get(a))  # None: the CPU's best
                 samples[a].append(timed(fn, args.calls))
+        native.scsa_avx512(None)
         med = {a: statistics.median(s) for a, s in samples.items()}
         opened = {}
         for (arm, tau), layer in layers.items():
-            if arm == "scsa-native":
+            if arm.startswith("scsa-native"):
                 c = layer.counters
                 opened[tau] = c["opened_rows"] / c["calls"] / (HKV * n)
         row = {"rows": n, "ms": {a: 1e3 * t for a, t in med.items()}, "opened_fraction": opened,
@@ -91,7 +99,8 @@ def main():
         print(f"N={n}: " + "  ".join(f"{a} {1e3 * t:.3f} ms" for a, t in med.items()), flush=True)
         print("   opened " + "  ".join(f"tau {t}: {100 * f:.1f}%" for t, f in opened.items()), flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"threads": args.threads, "shape": [H, HKV, D], "calls": args.calls,
+    Path(args.out).write_text(json.dumps({"threads": args.threads, "cpu": cpu_description(), "shape": [H, HKV, D],
+                                          "calls": args.calls,
                                           "repeats": args.repeats, "rows": rows}, indent=1))
     print(f"wrote {args.out}")
 

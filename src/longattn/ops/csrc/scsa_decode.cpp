@@ -1,5 +1,5 @@
 // SCSA's flat sparse decode call for one cache row (q8_0 packing) in one native pass, for x86
-// CPUs with AVX2 + FMA. The same computation as the PyTorch path of longattn.sparse
+// CPUs with AVX2 + FMA (and AVX-512 VNNI, where present, for the opened rows). The same computation as the PyTorch path of longattn.sparse
 // (kernel.cluster_scores, kernel.needed, SCSALayer._output); see that package for the maths.
 //
 //   q          [H, D]            float32  the row's decode queries (H = Hkv * G)
@@ -21,10 +21,12 @@
 // second-cumulant log-mass estimate for each of the G query heads; exact scores of the sink and
 // unsealed rows; per query head the stop rule over the estimates sorted best first; the union of
 // the G prefixes is opened; unopened clusters contribute m exp(a) at their value mean.
-// Phase B reads the opened clusters: (KV head, cluster chunk) items across threads, each scoring
-// its packed keys with integer block dots against the query quantized once (q8_0 x q8_0, exact
-// in int32; 8-row tiles, all query heads per key load), then one softmax part and the values
-// (each int8 row widened once for all heads). Parts merge exactly at the end.
+// Phase B reads the opened clusters: one run of about equal rows per thread (cut into items at
+// KV head boundaries), each item scoring its packed keys with integer block dots against the
+// query quantized once (q8_0 x q8_0, exact in int32; 8-row tiles, all query heads per key load),
+// then one softmax part and the values (each int8 row widened once for all heads). Parts merge
+// exactly at the end. Phase B has AVX2 and AVX-512 (BW + VNNI) forms with bit-identical
+// results, the wider one chosen at run time where the CPU has it (scsa_avx512 op).
 //
 // Why it exists: the PyTorch path spends 1.5-3 ms of small ops per layer call (sort, gathers,
 // padding masks, several matmuls), more than the reads it saves below ~32K tokens.
@@ -39,6 +41,7 @@
 #include "avx2_util.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -53,6 +56,7 @@ using longattn::dot;
 using longattn::dot8;
 using longattn::exp_shift_sum;
 using longattn::merge_parts;
+using longattn::scale_max;
 using longattn::weighted_rows;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -203,6 +207,156 @@ void q8_tile_values(const int8_t* vrows, const float* vscale, int64_t n, const f
     for (int g = 0; g < GN; ++g)
       _mm256_storeu_ps(o[g] + d0, _mm256_add_ps(_mm256_loadu_ps(o[g] + d0), acc[g]));
   }
+}
+
+// ---- AVX-512 (BW + VNNI) forms of the opened-cluster phase, chosen at run time ----------------
+// Same integer dots, same float operations in the same order per output element, so the
+// outputs are bit-identical to the AVX2 forms above (tests compare the two with torch.equal);
+// what changes is the instruction count: one vpdpwssd per query head handles two dimension
+// pairs of eight rows (the AVX2 form needs a vpmaddwd and a vpaddd for one pair), and the
+// values take 16-wide FMAs with the head weight broadcast from memory. On the 2-vCPU host of
+// session 9 this phase is bound by instruction throughput (the second vCPU adds ~1.2x), so
+// fewer instructions are what pays.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+
+// Query pairs laid out for vpdpwssd against a 32-byte run of a tile (dims 4j..4j+3 of 8 rows:
+// int32 lanes 0-7 hold pair 2j, lanes 8-15 pair 2j+1): qx[(g * D/4 + j) * 16 + lane].
+template <int GN>
+void vnni_queries(const int16_t* q16, int64_t D, int32_t* qx) {
+  for (int g = 0; g < GN; ++g)
+    for (int64_t j = 0; j < D / 4; ++j) {
+      int32_t p0, p1;
+      std::memcpy(&p0, q16 + g * D + 4 * j, sizeof(p0));
+      std::memcpy(&p1, q16 + g * D + 4 * j + 2, sizeof(p1));
+      int32_t* o = qx + (g * (D / 4) + j) * 16;
+      for (int l = 0; l < 8; ++l) {
+        o[l] = p0;
+        o[8 + l] = p1;
+      }
+    }
+}
+
+// q8_tile_scores (same contract) with vpdpwssd: each 32-byte load of the tile, widened to
+// int16, carries pairs 2j and 2j+1 of the eight rows; the two halves of the int32 accumulator
+// are added at the end of each q8 block, giving the same exact block dots.
+template <int GN>
+void q8_tile_scores_512(const int8_t* tile, const float* kscale, int64_t n, const int32_t* qx, const float* qs,
+                        int64_t D, int64_t qb, float* s, int64_t stride) {
+  const int64_t nb = D / qb, D4 = D / 4;
+  __m256 acc[GN];
+  for (int g = 0; g < GN; ++g) acc[g] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i ai[GN];
+    for (int g = 0; g < GN; ++g) ai[g] = _mm512_setzero_si512();
+    for (int64_t j = b * qb / 4; j < (b + 1) * qb / 4; ++j) {
+      const __m512i kv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + j * 32)));
+      for (int g = 0; g < GN; ++g)
+        ai[g] = _mm512_dpwssd_epi32(ai[g], kv, _mm512_loadu_si512(qx + (g * D4 + j) * 16));
+    }
+    alignas(32) float col[8];
+    for (int64_t r = 0; r < 8; ++r) col[r] = r < n ? kscale[r * nb + b] : 0.0f;
+    const __m256 ksv = _mm256_load_ps(col);
+    for (int g = 0; g < GN; ++g) {
+      const __m256i dots = _mm256_add_epi32(_mm512_castsi512_si256(ai[g]), _mm512_extracti64x4_epi64(ai[g], 1));
+      acc[g] = _mm256_add_ps(acc[g], _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dots), ksv),
+                                                   _mm256_set1_ps(qs[g * nb + b])));
+    }
+  }
+  alignas(32) float out8[8];
+  for (int g = 0; g < GN; ++g) {
+    _mm256_store_ps(out8, acc[g]);
+    for (int64_t r = 0; r < n; ++r) s[g * stride + r] = out8[r];
+  }
+}
+
+// q8_tile_values (same contract, qb a multiple of 16) in 16-wide slices.
+template <int GN>
+void q8_tile_values_512(const int8_t* vrows, const float* vscale, int64_t n, const float* p, int64_t stride,
+                        int64_t D, int64_t qb, float* w, float* const* o) {
+  const int64_t nb = D / qb;
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t r = 0; r < n; ++r)
+      for (int g = 0; g < GN; ++g) w[(b * 32 + r) * GN + g] = p[g * stride + r] * vscale[r * nb + b];
+  for (int64_t d0 = 0; d0 < D; d0 += 16) {
+    const float* wb = w + (d0 / qb) * 32 * GN;
+    __m512 acc[GN];
+    for (int g = 0; g < GN; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t r = 0; r < n; ++r) {
+      const __m512 vv = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vrows + r * D + d0))));
+      for (int g = 0; g < GN; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(wb[r * GN + g]), vv, acc[g]);
+    }
+    for (int g = 0; g < GN; ++g)
+      _mm512_storeu_ps(o[g] + d0, _mm512_add_ps(_mm512_loadu_ps(o[g] + d0), acc[g]));
+  }
+}
+
+#pragma GCC pop_options
+
+// The opened clusters ids[j0:j1] of one KV head, scored for GN query heads with the tile
+// function Tile (q8_tile_scores on int16 queries, or q8_tile_scores_512 on vnni_queries):
+// scores[g * R + off + r] for the r-th member of the run. The AVX-512 tile cannot be inlined
+// into this AVX2-target loop; the call per 8 rows measured no slower than a loop inlined in
+// the AVX-512 region (0.98 vs 1.04 ms for a 32K-row call, within noise).
+template <int GN, typename Q, void (*Tile)(const int8_t*, const float*, int64_t, const Q*, const float*, int64_t,
+                                           int64_t, float*, int64_t)>
+void item_scores(const int64_t* ids, int64_t j0, int64_t j1, const int64_t* cnt, const int8_t* kt, const float* ks,
+                 int64_t tile_bytes, int64_t nb, int64_t cs, const Q* q, const float* qs, int64_t D, int64_t qb,
+                 float* scores, int64_t R) {
+  int64_t off = 0;
+  for (int64_t j = j0; j < j1; ++j) {
+    const int64_t c = ids[j], n = cnt[c];
+    for (int64_t r = 0; r < n; r += 8)
+      Tile(kt + c * tile_bytes + r * D, ks + (c * cs + r) * nb, std::min<int64_t>(8, n - r), q, qs, D, qb,
+           scores + off + r, R);
+    off += n;
+  }
+}
+
+// The values of the same run, weighted by p[g * R + ...], added into o[g] (Tile:
+// q8_tile_values or q8_tile_values_512).
+template <int GN, void (*Tile)(const int8_t*, const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*,
+                               float* const*)>
+void item_values(const int64_t* ids, int64_t j0, int64_t j1, const int64_t* cnt, const int8_t* vi, const float* vs,
+                 int64_t nb, int64_t cs, const float* p, int64_t R, int64_t D, int64_t qb, float* w, float* const* o) {
+  int64_t off = 0;
+  for (int64_t j = j0; j < j1; ++j) {
+    const int64_t c = ids[j], n = cnt[c];
+    for (int64_t r0 = 0; r0 < n; r0 += 32)
+      Tile(vi + (c * cs + r0) * D, vs + (c * cs + r0) * nb, std::min<int64_t>(32, n - r0), p + off + r0, R, D, qb,
+           w, o);
+    off += n;
+  }
+}
+
+// Whether phase B takes the AVX-512 forms: -1 not yet decided (then: when the CPU has
+// AVX-512 F/BW/VL/DQ/VNNI), 0 no, 1 yes; set through the scsa_avx512 op (tests, benchmarks).
+std::atomic<int> g_wide{-1};
+
+bool cpu_has_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+
+bool use_wide() {
+  int w = g_wide.load();
+  if (w < 0) {
+    w = cpu_has_avx512() ? 1 : 0;
+    g_wide.store(w);
+  }
+  return w == 1;
+}
+
+// want: -1 the CPU's best, 0 AVX2, 1 AVX-512 (an error where the CPU lacks it); returns the
+// form now in use (1 AVX-512, 0 AVX2).
+int64_t scsa_avx512(int64_t want) {
+  TORCH_CHECK(want >= -1 && want <= 1, "scsa_avx512: want is -1 (auto), 0 (AVX2) or 1 (AVX-512)");
+  TORCH_CHECK(want != 1 || cpu_has_avx512(), "scsa_avx512: this CPU lacks AVX-512 F/BW/VL/DQ/VNNI");
+  g_wide.store(want < 0 ? (cpu_has_avx512() ? 1 : 0) : static_cast<int>(want));
+  return g_wide.load();
 }
 
 // o += sum_j p[j] * rows[j] in tiles of 32 rows, each summed apart first (tmp [D]): a sum over
@@ -384,54 +538,81 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
     }
   });
 
-  // Phase B: opened clusters, ascending per head, cut into chunks so every thread has work.
+  // Phase B: opened clusters, ascending per head, cut into one run of about equal rows per
+  // thread (a run may cover the end of one head and the start of the next: an item per head
+  // piece). The KV heads of a layer open very different amounts, so an equal split per head
+  // left one of two threads waiting for a fifth to a third of the call.
   std::vector<std::vector<int64_t>> lists(Hkv);
+  int64_t total = 0;
   for (int64_t h = 0; h < Hkv; ++h)
     for (int64_t c = 0; c < M; ++c)
-      if (openp[h * M + c]) lists[h].push_back(c);
+      if (openp[h * M + c]) {
+        lists[h].push_back(c);
+        total += cntp[c];
+      }
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t per_head = std::max<int64_t>(1, (2 * threads + Hkv - 1) / Hkv);
-  struct Item { int64_t h, c0, c1; };  // clusters lists[h][c0:c1]
+  struct Item { int64_t h, c0, c1, t; };  // clusters lists[h][c0:c1], read by thread t
   std::vector<Item> items;
-  for (int64_t h = 0; h < Hkv; ++h) {
-    const int64_t n = static_cast<int64_t>(lists[h].size());
-    const int64_t parts = std::min(n, per_head);
-    for (int64_t i = 0; i < parts; ++i) items.push_back({h, n * i / parts, n * (i + 1) / parts});
-  }
+  int64_t before = 0;
+  for (int64_t h = 0; h < Hkv; ++h)
+    for (int64_t j = 0; j < static_cast<int64_t>(lists[h].size()); ++j) {
+      const int64_t n = cntp[lists[h][j]];
+      // the thread whose share of the rows holds this cluster's middle row (non-decreasing)
+      const int64_t t = std::min(threads - 1, (2 * before + n) * threads / (2 * total));
+      if (items.empty() || items.back().h != h || items.back().t != t)
+        items.push_back({h, j, j + 1, t});
+      else
+        items.back().c1 = j + 1;
+      before += n;
+    }
+  std::vector<int64_t> first(threads + 1, static_cast<int64_t>(items.size()));  // thread t: [first[t], first[t+1])
+  for (int64_t i = static_cast<int64_t>(items.size()) - 1; i >= 0; --i)
+    for (int64_t t = 0; t <= items[i].t; ++t) first[t] = i;
   const int64_t I = static_cast<int64_t>(items.size());
   std::vector<float> item_parts(I * G * PW);
 
-  at::parallel_for(0, I, 1, [&](int64_t i0, int64_t i1) {
+  // AVX-512 where the CPU has it; its values form needs whole 16-value slices in one block
+  const bool wide = use_wide(), wide_values = wide && qb % 16 == 0;
+  std::vector<int32_t> qx;
+  if (wide) {  // the queries laid out for vpdpwssd, per KV head, once per call
+    qx.resize(Hkv * G * (D / 4) * 16);
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t g0 = 0; g0 < G; g0 += 8)
+        with_heads(std::min<int64_t>(8, G - g0), [&](auto gn) {
+          vnni_queries<decltype(gn)::value>(q16.data() + (h * G + g0) * D, D, qx.data() + (h * G + g0) * (D / 4) * 16);
+        });
+  }
+  const int64_t tile_bytes = tiles * 8 * D;
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores, w(D / qb * 32 * 8);
-    for (int64_t it = i0; it < i1; ++it) {
+    for (int64_t it = first[t0]; it < first[t1]; ++it) {
       const Item& item = items[it];
       const int64_t h = item.h;
-      const auto& ids = lists[h];
+      const int64_t* ids = lists[h].data();
       int64_t R = 0;
       for (int64_t j = item.c0; j < item.c1; ++j) R += cntp[ids[j]];
       scores.resize(G * R);
+      const int8_t* kth = ktp + h * Cs * tile_bytes;
+      const float *ksh = ksp + h * Cs * cs * nb, *vsh = vsp + h * Cs * cs * nb;
+      const int8_t* vih = vip + h * Cs * cs * D;
       for (int64_t g0 = 0; g0 < G; g0 += 8)  // heads in register-sized chunks
         with_heads(std::min<int64_t>(8, G - g0), [&](auto gn) {
           constexpr int GN = decltype(gn)::value;
-          const int16_t* qh16 = q16.data() + (h * G + g0) * D;
           const float* qhs = qsc.data() + (h * G + g0) * nb;
-          int64_t off = 0;
-          for (int64_t j = item.c0; j < item.c1; ++j) {
-            const int64_t c = ids[j], n = cntp[c];
-            const int8_t* kt = ktp + (h * Cs + c) * tiles * 8 * D;
-            const float* kscale = ksp + ((h * Cs + c) * cs) * nb;
-            for (int64_t r = 0; r < n; r += 8)
-              q8_tile_scores<GN>(kt + r * D, kscale + r * nb, std::min<int64_t>(8, n - r), qh16, qhs, D, qb,
-                                 scores.data() + g0 * R + off + r, R);
-            off += n;
-          }
+          if (wide)
+            item_scores<GN, int32_t, q8_tile_scores_512<GN>>(ids, item.c0, item.c1, cntp, kth, ksh, tile_bytes, nb,
+                                                             cs, qx.data() + (h * G + g0) * (D / 4) * 16, qhs, D,
+                                                             qb, scores.data() + g0 * R, R);
+          else
+            item_scores<GN, int16_t, q8_tile_scores<GN>>(ids, item.c0, item.c1, cntp, kth, ksh, tile_bytes, nb, cs,
+                                                         q16.data() + (h * G + g0) * D, qhs, D, qb,
+                                                         scores.data() + g0 * R, R);
         });
-      for (int64_t x = 0; x < G * R; ++x) scores[x] *= beta;
       for (int64_t g = 0; g < G; ++g) {
         Part pt{item_parts.data() + (it * G + g) * PW};
         pt.clear(D);
         float* sg = scores.data() + g * R;
-        const float m = *std::max_element(sg, sg + R);
+        const float m = scale_max(sg, R, beta);
         pt.p[0] = m;
         pt.p[1] = exp_shift_sum(sg, R, m);
       }
@@ -440,15 +621,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
           constexpr int GN = decltype(gn)::value;
           float* outs[GN];
           for (int g = 0; g < GN; ++g) outs[g] = item_parts.data() + (it * G + g0 + g) * PW + 2;
-          int64_t off = 0;
-          for (int64_t j = item.c0; j < item.c1; ++j) {
-            const int64_t c = ids[j], n = cntp[c];
-            for (int64_t r0 = 0; r0 < n; r0 += 32)
-              q8_tile_values<GN>(vip + ((h * Cs + c) * cs + r0) * D, vsp + ((h * Cs + c) * cs + r0) * nb,
-                                 std::min<int64_t>(32, n - r0), scores.data() + g0 * R + off + r0, R, D, qb,
-                                 w.data(), outs);
-            off += n;
-          }
+          if (wide_values)
+            item_values<GN, q8_tile_values_512<GN>>(ids, item.c0, item.c1, cntp, vih, vsh, nb, cs,
+                                                    scores.data() + g0 * R, R, D, qb, w.data(), outs);
+          else
+            item_values<GN, q8_tile_values<GN>>(ids, item.c0, item.c1, cntp, vih, vsh, nb, cs,
+                                                scores.data() + g0 * R, R, D, qb, w.data(), outs);
         });
     }
   });
@@ -475,6 +653,7 @@ TORCH_LIBRARY_FRAGMENT(longattn_cpu, m) {
   m.def("scsa_decode(Tensor q, Tensor k, Tensor v, int s0, int s1, Tensor summ, Tensor resid, "
         "Tensor log_counts, Tensor radius, Tensor vmean, Tensor counts, int M, Tensor kt, Tensor ks, "
         "Tensor vi, Tensor vs, Tensor taus, float scale) -> (Tensor, Tensor, Tensor)");
+  m.def("scsa_avx512(int want) -> int", &scsa_avx512);  // no tensors: a catch-all kernel
 }
 
 TORCH_LIBRARY_IMPL(longattn_cpu, CPU, m) {
