@@ -4,7 +4,7 @@ Arms, alternated per repeat on the same synthetic clustered cache (14 query / 2 
 head_dim 64, float32; sparse.synthetic):
   * scsa-native: SCSALayer.attend with the C++ call (SCSAConfig.native, the default); where the
     CPU has AVX-512 VNNI, as two arms: scsa-native-avx2 and scsa-native-avx512 (the forms of
-    its opened-cluster phase, bit-identical outputs; native.scsa_avx512);
+    its opened-cluster phase, bit-identical outputs; native.avx512);
   * scsa-torch:  the same layer on the PyTorch ops (native=False), same decisions;
   * fused-dense: longattn's fused C++ dense decode kernel over every row (the eager
     Session's and the static step's dense read);
@@ -59,7 +59,7 @@ def main():
     if not native.available():
         sys.exit("scsa_call: the native kernels are not built here (needs AVX2 and a compiler)")
     scale = D ** -0.5
-    wide = native.scsa_avx512(None)
+    wide = native.avx512(None)
     rows = []
     for n in args.sizes:
         cache = synthetic_cache(n, HKV, D, seed=1)
@@ -84,9 +84,9 @@ def main():
         samples = {a: [] for a in arms}
         for _ in range(args.repeats):
             for a, fn in arms.items():
-                native.scsa_avx512(form.get(a))  # None: the CPU's best
+                native.avx512(form.get(a))  # None: the CPU's best
                 samples[a].append(timed(fn, args.calls))
-        native.scsa_avx512(None)
+        native.avx512(None)
         med = {a: statistics.median(s) for a, s in samples.items()}
         opened = {}
         for (arm, tau), layer in layers.items():

@@ -136,21 +136,21 @@ def test_avx512_form_equals_the_avx2_form(H, HKV, D, cluster_size):
     the same order per element, so outputs, selections and counters are bit-identical (head
     dims with q8 blocks of 32, 16 and 8 values: with 8 the values stay AVX2; 9 query heads per
     KV head: head chunks of 8 + 1). A CPU without AVX-512 refuses the forced form instead."""
-    if not native.scsa_avx512(None):
+    if not native.avx512(None):
         with pytest.raises(RuntimeError, match="lacks AVX-512"):
-            native.scsa_avx512(True)
-        assert native.scsa_avx512(None) is False
+            native.avx512(True)
+        assert native.avx512(None) is False
         return
     qs, k, v, scale = attn_case(900, H, HKV, D, seed=11, queries=3, query_seed=12, centers=12)
     results = []
     try:
         for wide in (False, True):
-            assert native.scsa_avx512(wide) is wide
+            assert native.avx512(wide) is wide
             layer = SCSALayer(small_cfg(tau_default=0.03, cluster_size=cluster_size), H, HKV, D)
             outs = [layer.attend(q, k, v, scale) for q in qs]
             results.append((outs, layer._last[-1][1].opened, dict(layer.counters)))
     finally:
-        native.scsa_avx512(None)
+        native.avx512(None)
     (a, sa, ca), (b, sb, cb) = results
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert torch.equal(sa, sb) and ca == cb

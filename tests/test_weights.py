@@ -142,15 +142,26 @@ def test_int4_rows_that_are_not_whole_groups_stay_int8():
 
 
 @pytest.mark.parametrize("rows", [1, 3, 5])
-@pytest.mark.parametrize("K", [32, 96, 288, 544])  # tails only, 8-group blocks, both
-def test_int4_kernel_matches_exact_reference(rows, K):
+@pytest.mark.parametrize("K", [32, 96, 160, 288, 544, 896])  # G % 8 and G % 4 tails, 8-group blocks
+@pytest.mark.parametrize("wide", [False, True], ids=["avx2", "avx512"])
+def test_int4_kernel_matches_exact_reference(rows, K, wide):
     """Activations rounded per block of 32 exactly as quantize_activations does (a different
     rounding moves a result by a whole step, ~1e4 times this bound), integer dots exact, one
     rounding per group scale and per group term into float32 lanes: within (G + 10) float32
     roundings of the sum of |terms| (G = K / 32) plus half an ulp, against float64 arithmetic on
-    the same rounded inputs. PyTorch's evaluation of the same product (the fallback) sums in
-    another order: within K roundings."""
+    the same rounded inputs, for the AVX2 form and (where the CPU has AVX-512 VNNI; elsewhere
+    the AVX2 form is checked twice) the AVX-512 one. PyTorch's evaluation of the same product
+    (the fallback) sums in another order: within K roundings."""
+    from longattn.ops import native
     assert int8_kernel.available()
+    native.avx512(wide and native.avx512(None))
+    try:
+        _check_int4_kernel(rows, K)
+    finally:
+        native.avx512(None)
+
+
+def _check_int4_kernel(rows, K):
     g = torch.Generator().manual_seed(rows * 1000 + K)
     N = 70
     x = torch.randn(rows, K, generator=g) * torch.logspace(-2, 1, K)
@@ -168,6 +179,22 @@ def test_int4_kernel_matches_exact_reference(rows, K):
     y_torch = int4_matmul(x, codes, d, m, kernel="torch")
     assert torch.all((y_torch.double() - ref).abs() <= 2.0 ** -24 * ref.abs() + K * 2.0 ** -23 * terms + 1e-30)
     assert torch.equal(torch.ops.longattn_cpu.int4_gemv(x.T.contiguous().T, codes, d, m), y)
+
+
+def test_int4_avx512_form_is_refused_without_the_cpu_features():
+    """Forcing the AVX-512 form works exactly where the CPU has AVX-512 VNNI (the exact-reference
+    test above then checks both forms), and is refused with a clear error elsewhere."""
+    from longattn.ops import native
+    has = native.avx512(None)
+    try:
+        if has:
+            assert native.avx512(True) is True and native.avx512(False) is False
+        else:
+            with pytest.raises(RuntimeError, match="lacks AVX-512"):
+                native.avx512(True)
+    finally:
+        native.avx512(None)
+    assert native.avx512(None) is has
 
 
 def test_int4_native_dequantize_is_the_correctly_rounded_weight():

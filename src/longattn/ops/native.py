@@ -10,10 +10,10 @@ False and every caller has a PyTorch path (see int8_kernel.py, static_decode.py)
 Ops (namespace ``longattn_cpu``): ``int8_gemv`` (csrc/int8_gemv.cpp), ``int4_gemv``
 (csrc/int4_gemv.cpp),
 ``decode_attention`` (csrc/decode_attention.cpp) and ``scsa_decode`` (csrc/scsa_decode.cpp, the
-sparse decode call of longattn.sparse; eager only, so it needs no fake), with ``scsa_avx512``
-choosing the form of its opened-row phase (see ``scsa_avx512()`` below). The build targets AVX2;
-the AVX-512 functions are compiled for that target alone (a ``#pragma GCC target`` region) and
-run only where the CPU reports the features.
+sparse decode call of longattn.sparse; eager only, so it needs no fake), and ``avx512``
+(csrc/cpu_features.*), which chooses between the AVX2 and AVX-512 forms of the kernels that have
+both (see ``avx512()`` below). The build targets AVX2; the AVX-512 functions are compiled for
+that target alone (``#pragma GCC target`` regions) and run only where the CPU reports the features.
 """
 
 from __future__ import annotations
@@ -83,12 +83,13 @@ def available() -> bool:
     return _state["ok"]
 
 
-def scsa_avx512(want: bool | None = None) -> bool:
-    """Which form SCSA's opened-cluster phase takes: ``want`` None = the CPU's best (AVX-512
-    F/BW/VL/DQ/VNNI where present, else AVX2), True / False to force one (True raises
-    RuntimeError on a CPU without AVX-512). Returns True when the AVX-512 form is in use.
-    Both forms give bit-identical outputs; the switch exists for tests and benchmarks."""
+def avx512(want: bool | None = None) -> bool:
+    """Which form the kernels that have two take (SCSA's opened-row phase, int4_gemv's row
+    dots): ``want`` None = the CPU's best (AVX-512 F/BW/VL/DQ/VNNI where present, else AVX2),
+    True / False to force one (True raises RuntimeError on a CPU without AVX-512). Returns True
+    when the AVX-512 forms are in use. Both forms give bit-identical outputs; the switch exists
+    for tests and benchmarks."""
     if not available():
         return False
     code = -1 if want is None else int(bool(want))
-    return bool(torch.ops.longattn_cpu.scsa_avx512(code))
+    return bool(torch.ops.longattn_cpu.avx512(code))

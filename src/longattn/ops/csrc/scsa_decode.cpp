@@ -26,7 +26,7 @@
 // query quantized once (q8_0 x q8_0, exact in int32; 8-row tiles, all query heads per key load),
 // then one softmax part and the values (each int8 row widened once for all heads). Parts merge
 // exactly at the end. Phase B has AVX2 and AVX-512 (BW + VNNI) forms with bit-identical
-// results, the wider one chosen at run time where the CPU has it (scsa_avx512 op).
+// results, the wider one chosen at run time where the CPU has it (cpu_features.h).
 //
 // Why it exists: the PyTorch path spends 1.5-3 ms of small ops per layer call (sort, gathers,
 // padding masks, several matmuls), more than the reads it saves below ~32K tokens.
@@ -39,9 +39,9 @@
 #include <immintrin.h>
 
 #include "avx2_util.h"
+#include "cpu_features.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -330,35 +330,6 @@ void item_values(const int64_t* ids, int64_t j0, int64_t j1, const int64_t* cnt,
   }
 }
 
-// Whether phase B takes the AVX-512 forms: -1 not yet decided (then: when the CPU has
-// AVX-512 F/BW/VL/DQ/VNNI), 0 no, 1 yes; set through the scsa_avx512 op (tests, benchmarks).
-std::atomic<int> g_wide{-1};
-
-bool cpu_has_avx512() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512vnni");
-}
-
-bool use_wide() {
-  int w = g_wide.load();
-  if (w < 0) {
-    w = cpu_has_avx512() ? 1 : 0;
-    g_wide.store(w);
-  }
-  return w == 1;
-}
-
-// want: -1 the CPU's best, 0 AVX2, 1 AVX-512 (an error where the CPU lacks it); returns the
-// form now in use (1 AVX-512, 0 AVX2).
-int64_t scsa_avx512(int64_t want) {
-  TORCH_CHECK(want >= -1 && want <= 1, "scsa_avx512: want is -1 (auto), 0 (AVX2) or 1 (AVX-512)");
-  TORCH_CHECK(want != 1 || cpu_has_avx512(), "scsa_avx512: this CPU lacks AVX-512 F/BW/VL/DQ/VNNI");
-  g_wide.store(want < 0 ? (cpu_has_avx512() ? 1 : 0) : static_cast<int>(want));
-  return g_wide.load();
-}
-
 // o += sum_j p[j] * rows[j] in tiles of 32 rows, each summed apart first (tmp [D]): a sum over
 // thousands of rows in one float accumulator would err ~n ulp, tiles keep it ~(32 + n / 32).
 void tiled_weighted_rows(const float* p, const float* const* rows, int64_t n, int64_t D, float* o, float* tmp) {
@@ -572,7 +543,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
   std::vector<float> item_parts(I * G * PW);
 
   // AVX-512 where the CPU has it; its values form needs whole 16-value slices in one block
-  const bool wide = use_wide(), wide_values = wide && qb % 16 == 0;
+  const bool wide = longattn::use_avx512(), wide_values = wide && qb % 16 == 0;
   std::vector<int32_t> qx;
   if (wide) {  // the queries laid out for vpdpwssd, per KV head, once per call
     qx.resize(Hkv * G * (D / 4) * 16);
@@ -653,7 +624,6 @@ TORCH_LIBRARY_FRAGMENT(longattn_cpu, m) {
   m.def("scsa_decode(Tensor q, Tensor k, Tensor v, int s0, int s1, Tensor summ, Tensor resid, "
         "Tensor log_counts, Tensor radius, Tensor vmean, Tensor counts, int M, Tensor kt, Tensor ks, "
         "Tensor vi, Tensor vs, Tensor taus, float scale) -> (Tensor, Tensor, Tensor)");
-  m.def("scsa_avx512(int want) -> int", &scsa_avx512);  // no tensors: a catch-all kernel
 }
 
 TORCH_LIBRARY_IMPL(longattn_cpu, CPU, m) {
