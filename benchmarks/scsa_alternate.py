@@ -1,0 +1,153 @@
+"""Static SCSA vs static dense decode on qwen2.5-0.5b, arms alternated in short blocks.
+
+scsa_decode.py times each arm in one long run after the other; on a shared host whose speed
+drifts by tens of percent over minutes that is not enough to trust a ratio. Here both compiled
+static decoders (dense, and SCSA on every layer) start from the same prefix cache and take
+turns: ``--rounds`` rounds of ``--block`` steps each, and, where the CPU has AVX-512 VNNI, each
+round once with the kernels' AVX2 forms and once with their AVX-512 forms (native.avx512), so
+the forms are compared in the same way. SCSA calibrates first (32 steps, untimed, fresh index
+per context). Tokens are the book's own (speed only; greedy agreement is scsa_decode.py's).
+
+The prefix cache of the longest context is built once (or loaded from ``--cache-file``, saved
+there after a build: a 32K prefill takes ~11 minutes here) and cut back for shorter contexts.
+
+    python benchmarks/scsa_alternate.py --threads 2 --contexts 32768 16384 4096 \\
+        --cache-file /tmp/qwen_int4_32k.pt
+
+Writes benchmarks/results/scsa_alternate.json. Do not run beside tests or builds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from longattn.cache import KVCache  # noqa: E402
+from longattn.checkpoint import load_checkpoint  # noqa: E402
+from longattn.data import all_books_text  # noqa: E402
+from longattn.host import cpu_description  # noqa: E402
+from longattn.models import build_model  # noqa: E402
+from longattn.ops import native  # noqa: E402
+from longattn.policy import AttentionPolicy  # noqa: E402
+from longattn.sparse import SCSAConfig  # noqa: E402
+from longattn.sparse_policy import build_sparse_policy  # noqa: E402
+from longattn.static_decode import StaticDecoder  # noqa: E402
+from scsa_decode import truncate  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def prefix_cache(model, cfg, ids, n, chunk, path):
+    """The n-token prefix cache: loaded from ``path`` when it holds one at least that long."""
+    if path and os.path.exists(path):
+        cache = torch.load(path, weights_only=False)
+        have = int(cache.next_pos.max())
+        if have >= n:
+            truncate(cache, n)
+            return cache
+        print(f"{path} holds {have} tokens, fewer than {n}: prefilling", file=sys.stderr)
+    cache = KVCache(cfg, 1)
+    policy = AttentionPolicy.from_config(cfg)
+    for s in range(0, n, chunk):
+        model(torch.tensor([ids[s:min(n, s + chunk)]]), cache=cache, policy=policy, logits="none")
+        print(f"\rprefill {min(n, s + chunk)}/{n}", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    if path:
+        tmp = f"{path}.tmp"
+        torch.save(cache, tmp)
+        os.replace(tmp, path)
+    return cache
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-0.5b")
+    ap.add_argument("--weights", choices=["f32", "bf16", "int8", "int4"], default="int4")
+    ap.add_argument("--contexts", nargs="+", type=int, default=[32768, 16384, 4096])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--block", type=int, default=12)
+    ap.add_argument("--calib", type=int, default=32)
+    ap.add_argument("--tolerance", type=float, default=0.025)
+    ap.add_argument("--metric", choices=["head", "group"], default="group")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--cache-file", default=None, help="load/save the longest prefix cache here")
+    ap.add_argument("--out", default=str(RESULTS / "scsa_alternate.json"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    ck = load_checkpoint(args.model)
+    model = build_model(ck.config, ck.state_dict, weights=args.weights)
+    ids = ck.tokenizer(all_books_text())["input_ids"]
+    contexts = sorted(args.contexts, reverse=True)  # the cache is cut back from the longest
+    forms = [False, True] if native.avx512(None) else [False]
+    steps = args.calib + 8 + args.rounds * len(forms) * args.block
+    max_len = contexts[0] + steps + 1
+    scsa = SCSAConfig(min_context=0, calib_steps=args.calib, tolerance=args.tolerance, calib_metric=args.metric)
+    decs = {"dense": StaticDecoder(model, AttentionPolicy.from_config(ck.config), max_len=max_len, dynamic=True),
+            "sparse": StaticDecoder(model, build_sparse_policy(ck.config, scsa), max_len=max_len, dynamic=True)}
+    for name, dec in decs.items():
+        print(f"static {name} step compiled in {dec.warmup():.0f} s", file=sys.stderr, flush=True)
+    cache = prefix_cache(model, ck.config, ids, contexts[0], args.chunk, args.cache_file)
+    rows = []
+    for L in contexts:
+        truncate(cache, L)
+        pos = {}
+        for name, dec in decs.items():
+            if dec.sparse is not None:
+                dec.sparse.clear()
+            dec.reset(max_len)
+            dec.load_cache(cache)
+            pos[name] = L
+
+        def run(name, n):
+            dec, times = decs[name], []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                dec.step(torch.tensor([ids[pos[name]]]))
+                times.append(time.perf_counter() - t0)
+                pos[name] += 1
+            return times
+
+        run("sparse", args.calib + 8)  # calibration, then a few steps on the frozen taus
+        run("dense", 8)
+        samples = {(a, f): [] for a in decs for f in forms}
+        for _ in range(args.rounds):
+            for f in forms:
+                native.avx512(f)
+                for a in decs:
+                    samples[(a, f)] += run(a, args.block)
+        native.avx512(None)
+        layers = list(decs["sparse"].sparse.layers.values())
+        opened = sum(sc.counters["opened_rows"] for sc in layers)
+        sparse_calls = sum(sc.counters["calls"] for sc in layers) - args.calib * len(layers)
+        row = {"context": L, "timed_steps_per_arm": args.rounds * args.block,
+               "opened_fraction": opened / max(1, sparse_calls * ck.config.num_kv_heads * L),
+               "tau_median": statistics.median(t for sc in layers for t in sc.taus.tolist())}
+        msg = f"L={L:>6}"
+        for f in forms:
+            tag = "avx512" if f else "avx2"
+            d, s = (statistics.median(samples[(a, f)]) for a in ("dense", "sparse"))
+            row[tag] = {"dense_ms": 1e3 * d, "sparse_ms": 1e3 * s, "speedup": d / s}
+            msg += f" | {tag}: dense {1e3 * d:6.1f} ms SCSA {1e3 * s:6.1f} ms  {d / s:4.2f}x"
+        print(msg + f" | opened {100 * row['opened_fraction']:.0f}%", flush=True)
+        rows.append(row)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({
+        "model": args.model, "weights": args.weights, "threads": args.threads, "rounds": args.rounds,
+        "block": args.block, "tolerance": args.tolerance, "metric": args.metric, "cpu": cpu_description(),
+        "rows": rows}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
