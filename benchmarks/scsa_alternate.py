@@ -3,7 +3,8 @@
 scsa_decode.py times each arm in one long run after the other; on a shared host whose speed
 drifts by tens of percent over minutes that is not enough to trust a ratio. Here both compiled
 static decoders (dense, and SCSA on every layer) start from the same prefix cache and take
-turns: ``--rounds`` rounds of ``--block`` steps each, and, where the CPU has AVX-512 VNNI, each
+turns (``--cluster-sizes`` adds one SCSA arm per cluster size): ``--rounds`` rounds of
+``--block`` steps each, and, where the CPU has AVX-512 VNNI, each
 round once with the kernels' AVX2 forms and once with their AVX-512 forms (native.avx512), so
 the forms are compared in the same way. SCSA calibrates first (32 steps, untimed, fresh index
 per context). Tokens are the book's own (speed only; greedy agreement is scsa_decode.py's).
@@ -79,6 +80,8 @@ def main():
     ap.add_argument("--calib", type=int, default=32)
     ap.add_argument("--tolerance", type=float, default=0.025)
     ap.add_argument("--metric", choices=["head", "group"], default="group")
+    ap.add_argument("--cluster-sizes", nargs="+", type=int, default=[128],
+                    help="one SCSA arm per SCSAConfig.cluster_size (all alternated with dense)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--cache-file", default=None, help="load/save the longest prefix cache here")
@@ -92,9 +95,12 @@ def main():
     forms = [False, True] if native.avx512(None) else [False]
     steps = args.calib + 8 + args.rounds * len(forms) * args.block
     max_len = contexts[0] + steps + 1
-    scsa = SCSAConfig(min_context=0, calib_steps=args.calib, tolerance=args.tolerance, calib_metric=args.metric)
-    decs = {"dense": StaticDecoder(model, AttentionPolicy.from_config(ck.config), max_len=max_len, dynamic=True),
-            "sparse": StaticDecoder(model, build_sparse_policy(ck.config, scsa), max_len=max_len, dynamic=True)}
+    decs = {"dense": StaticDecoder(model, AttentionPolicy.from_config(ck.config), max_len=max_len, dynamic=True)}
+    sparse_arms = [f"sparse-{cs}" if len(args.cluster_sizes) > 1 else "sparse" for cs in args.cluster_sizes]
+    for arm, cs in zip(sparse_arms, args.cluster_sizes):
+        scsa = SCSAConfig(min_context=0, calib_steps=args.calib, tolerance=args.tolerance, calib_metric=args.metric,
+                          cluster_size=cs)
+        decs[arm] = StaticDecoder(model, build_sparse_policy(ck.config, scsa), max_len=max_len, dynamic=True)
     for name, dec in decs.items():
         print(f"static {name} step compiled in {dec.warmup():.0f} s", file=sys.stderr, flush=True)
     cache = prefix_cache(model, ck.config, ids, contexts[0], args.chunk, args.cache_file)
@@ -118,7 +124,8 @@ def main():
                 pos[name] += 1
             return times
 
-        run("sparse", args.calib + 8)  # calibration, then a few steps on the frozen taus
+        for arm in sparse_arms:
+            run(arm, args.calib + 8)  # calibration, then a few steps on the frozen taus
         run("dense", 8)
         samples = {(a, f): [] for a in decs for f in forms}
         for _ in range(args.rounds):
@@ -127,20 +134,22 @@ def main():
                 for a in decs:
                     samples[(a, f)] += run(a, args.block)
         native.avx512(None)
-        layers = list(decs["sparse"].sparse.layers.values())
-        opened = sum(sc.counters["opened_rows"] for sc in layers)
-        sparse_calls = sum(sc.counters["calls"] for sc in layers) - args.calib * len(layers)
-        row = {"context": L, "timed_steps_per_arm": args.rounds * args.block,
-               "opened_fraction": opened / max(1, sparse_calls * ck.config.num_kv_heads * L),
-               "tau_median": statistics.median(t for sc in layers for t in sc.taus.tolist())}
-        msg = f"L={L:>6}"
-        for f in forms:
-            tag = "avx512" if f else "avx2"
-            d, s = (statistics.median(samples[(a, f)]) for a in ("dense", "sparse"))
-            row[tag] = {"dense_ms": 1e3 * d, "sparse_ms": 1e3 * s, "speedup": d / s}
-            msg += f" | {tag}: dense {1e3 * d:6.1f} ms SCSA {1e3 * s:6.1f} ms  {d / s:4.2f}x"
-        print(msg + f" | opened {100 * row['opened_fraction']:.0f}%", flush=True)
-        rows.append(row)
+        for arm in sparse_arms:
+            layers = list(decs[arm].sparse.layers.values())
+            opened = sum(sc.counters["opened_rows"] for sc in layers)
+            sparse_calls = sum(sc.counters["calls"] for sc in layers) - args.calib * len(layers)
+            row = {"context": L, "arm": arm, "cluster_size": decs[arm].sparse.cfg.cluster_size,
+                   "timed_steps_per_arm": args.rounds * args.block,
+                   "opened_fraction": opened / max(1, sparse_calls * ck.config.num_kv_heads * L),
+                   "tau_median": statistics.median(t for sc in layers for t in sc.taus.tolist())}
+            msg = f"L={L:>6} {arm}"
+            for f in forms:
+                tag = "avx512" if f else "avx2"
+                d, s = statistics.median(samples[("dense", f)]), statistics.median(samples[(arm, f)])
+                row[tag] = {"dense_ms": 1e3 * d, "sparse_ms": 1e3 * s, "speedup": d / s}
+                msg += f" | {tag}: dense {1e3 * d:6.1f} ms SCSA {1e3 * s:6.1f} ms  {d / s:4.2f}x"
+            print(msg + f" | opened {100 * row['opened_fraction']:.0f}%", flush=True)
+            rows.append(row)
     RESULTS.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "model": args.model, "weights": args.weights, "threads": args.threads, "rounds": args.rounds,
