@@ -76,8 +76,8 @@ def scsa_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     state = _STATES[key]
     positions = q_pos[:, 0].tolist()
     if len(positions) == 1 and positions[0] >= 0 and positions[0] + 1 >= state.cfg.min_context:
-        # one live stream past min_context (the common case): the loop below without its
-        # Python indexing, which cost about a third of a short-context layer call
+        # one live stream past min_context (the common case): the loop below without its tuple
+        # indexing and zeros + copy of the output (~10 of ~50 us of Python around a call)
         n = positions[0]
         k.select(2, n).copy_(k_new.select(2, 0))
         v.select(2, n).copy_(v_new.select(2, 0))
