@@ -39,6 +39,7 @@ namespace {
 using longattn::dot;
 using longattn::dot8;
 using longattn::exp_shift_sum;
+using longattn::max_of;
 using longattn::merge_parts;
 using longattn::weighted_rows;
 
@@ -131,7 +132,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
         for (int64_t g = 0; g < G; ++g) scores[g * n + j] = dot(qs.data() + g * D, krow[j], D);
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * n;
-        const float m = *std::max_element(sg, sg + n);
+        const float m = max_of(sg, n);
         out[g * (D + 2)] = m;
         out[g * (D + 2) + 1] = exp_shift_sum(sg, n, m);
       }

@@ -55,6 +55,7 @@ using longattn::axpy;
 using longattn::dot;
 using longattn::dot8;
 using longattn::exp_shift_sum;
+using longattn::max_of;
 using longattn::merge_parts;
 using longattn::scale_max;
 using longattn::weighted_rows;
@@ -462,7 +463,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
           lex[g] = kNegInf;
           continue;
         }
-        const float m = *std::max_element(sg, sg + E);
+        const float m = max_of(sg, E);
         const float l = exp_shift_sum(sg, E, m);
         lex[g] = m + std::log(l);
         ex.p[0] = m;
@@ -475,7 +476,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
       const float tau = tausp[h];
       for (int64_t g = 0; g < G && M > 0; ++g) {
         const float* eg = est.data() + g * M;
-        const float mx = std::max(*std::max_element(eg, eg + M), lex[g]);
+        const float mx = std::max(max_of(eg, M), lex[g]);
         double all = 0.0;
         for (int64_t c = 0; c < M; ++c) {
           order[c] = {eg[c], c, std::exp(eg[c] - mx)};
