@@ -74,6 +74,19 @@ inline void quantize_block(const float* x, int8_t* q, float* step, float* sum) {
                       _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
+// Group j of a weight row against its 32 activations: 8 int32 partial dots, as float32
+// (exact: < 2^24). The group's 16 bytes go in both lanes (a load, no shuffle), the high lane
+// shifted right by 4 bits per 64-bit word: after masking, values 0..15 of the group sit in the
+// low lane and 16..31 in the high lane, x's order (one instruction fewer than unpacking in 128
+// bits).
+inline __m256 group_dots(const uint8_t* codes, const int8_t* xq, int64_t j) {
+  const __m256i b =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * (kGroup / 2))));
+  const __m256i u = _mm256_and_si256(_mm256_srlv_epi64(b, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + j * kGroup));
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), _mm256_set1_epi16(1)));
+}
+
 // One weight row against one activation row: sum_g (d[g] * dx[g]) * (codes_g . xq_g)
 // + sum_g m[g] * xs[g]. d, m: the row's float16 steps and offsets; dx, xs [G]: the activation
 // row's block steps and dx * sum(xq). Eight groups at a time: their eight scales are built in
@@ -81,19 +94,7 @@ inline void quantize_block(const float* x, int8_t* q, float* step, float* sum) {
 // permute, so no per-row conversion pass is needed (that pass cost as much as the dots at K=576).
 inline float row_dot(const int8_t* xq, const uint8_t* codes, const uint16_t* d, const uint16_t* m,
                      const float* dx, const float* xs, int64_t G) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m256i high_lane_by_4 = _mm256_setr_epi64x(0, 0, 4, 4);
-  const __m256i ones = _mm256_set1_epi16(1);
-  auto group = [&](int64_t j) {  // 8 int32 partial dots of group j, as float32 (exact: < 2^24)
-    const uint8_t* c = codes + j * (kGroup / 2);
-    // the 16 bytes in both lanes (a load, no shuffle); the high lane shifted right by 4 bits
-    // per 64-bit word: after masking, values 0..15 of the group sit in the low lane and
-    // 16..31 in the high lane, x's order (one instruction fewer than unpacking in 128 bits)
-    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
-    const __m256i u = _mm256_and_si256(_mm256_srlv_epi64(b, high_lane_by_4), low4);
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + j * kGroup));
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), ones));
-  };
+  auto group = [&](int64_t j) { return group_dots(codes, xq, j); };
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), am = _mm256_setzero_ps();
   int64_t g = 0;
   for (; g + 8 <= G; g += 8) {
@@ -168,14 +169,8 @@ float row_dot_512(const int8_t* xs2, const int8_t* xq, const uint8_t* codes, con
     g += 4;
   }
   __m256 acc0 = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
-  const __m256i low4y = _mm256_set1_epi8(0x0F);
-  const __m256i high_lane_by_4 = _mm256_setr_epi64x(0, 0, 4, 4);
   for (; g < G; ++g) {  // the last G % 4 groups as row_dot does them (xq: natural order)
-    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + g * 16)));
-    const __m256i u = _mm256_and_si256(_mm256_srlv_epi64(b, high_lane_by_4), low4y);
-    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + g * kGroup));
-    const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), _mm256_set1_epi16(1)));
-    acc0 = _mm256_fmadd_ps(dots, _mm256_set1_ps(_cvtsh_ss(d[g]) * dx[g]), acc0);
+    acc0 = _mm256_fmadd_ps(group_dots(codes, xq, g), _mm256_set1_ps(_cvtsh_ss(d[g]) * dx[g]), acc0);
     off += _cvtsh_ss(m[g]) * xs[g];
   }
   return hsum(_mm256_add_ps(acc0, am)) + off;
@@ -236,22 +231,19 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
                      xs.data() + r * G + g);
   // ~32 KiB of codes per task
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(K, 1));
-  if (longattn::use_avx512()) {
-    std::vector<int8_t> xs2(M * K);
-    for (int64_t r = 0; r < M; ++r) split_halves(xq.data() + r * K, G, xs2.data() + r * K);
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n)
-        for (int64_t r = 0; r < M; ++r)
-          yp[r * N + n] = row_dot_512(xs2.data() + r * K, xq.data() + r * K, cp + n * (K / 2), dp + n * G,
-                                      mp + n * G, dx.data() + r * G, xs.data() + r * G, G);
-    });
-    return y;
-  }
+  // the AVX-512 form reads the activations with each group's halves apart (split_halves)
+  const bool wide = longattn::use_avx512();
+  std::vector<int8_t> xs2(wide ? M * K : 0);
+  for (int64_t r = 0; wide && r < M; ++r) split_halves(xq.data() + r * K, G, xs2.data() + r * K);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
-      for (int64_t r = 0; r < M; ++r)
-        yp[r * N + n] = row_dot(xq.data() + r * K, cp + n * (K / 2), dp + n * G, mp + n * G,
-                                dx.data() + r * G, xs.data() + r * G, G);
+      for (int64_t r = 0; r < M; ++r) {
+        const int8_t* x = xq.data() + r * K;
+        const uint8_t* c = cp + n * (K / 2);
+        const float *dxr = dx.data() + r * G, *xsr = xs.data() + r * G;
+        yp[r * N + n] = wide ? row_dot_512(xs2.data() + r * K, x, c, dp + n * G, mp + n * G, dxr, xsr, G)
+                             : row_dot(x, c, dp + n * G, mp + n * G, dxr, xsr, G);
+      }
   });
   return y;
 }

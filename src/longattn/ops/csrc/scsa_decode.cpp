@@ -146,6 +146,34 @@ void with_heads(int64_t gn, F&& f) {
   }
 }
 
+// Shared by both forms of the tile functions below.
+// The key scales of block b for a tile's n <= 8 rows, padding rows 0.
+inline __m256 tile_key_scales(const float* kscale, int64_t n, int64_t nb, int64_t b) {
+  alignas(32) float col[8];
+  for (int64_t r = 0; r < 8; ++r) col[r] = r < n ? kscale[r * nb + b] : 0.0f;
+  return _mm256_load_ps(col);
+}
+
+// s[g * stride + r] = lane r of acc[g] for the tile's n real rows.
+template <int GN>
+inline void store_tile_scores(const __m256* acc, int64_t n, float* s, int64_t stride) {
+  alignas(32) float out8[8];
+  for (int g = 0; g < GN; ++g) {
+    _mm256_store_ps(out8, acc[g]);
+    for (int64_t r = 0; r < n; ++r) s[g * stride + r] = out8[r];
+  }
+}
+
+// w[(b * 32 + r) * GN + g] = p[g * stride + r] * vscale[r, b]: the per-head, per-block weights
+// of n <= 32 value rows.
+template <int GN>
+inline void tile_value_weights(const float* p, int64_t stride, const float* vscale, int64_t n, int64_t nb,
+                               float* w) {
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t r = 0; r < n; ++r)
+      for (int g = 0; g < GN; ++g) w[(b * 32 + r) * GN + g] = p[g * stride + r] * vscale[r * nb + b];
+}
+
 // Raw scores (no softmax scale) of GN quantized queries with one tile of n <= 8 key rows:
 // s[g * stride + r] = sum_b (iq_g,b . ik_r,b) * ks_r,b * qs_g,b, in that order (as the PyTorch
 // path: block dot times key scale times query scale, summed over blocks). The tile is stored
@@ -171,18 +199,12 @@ void q8_tile_scores(const int8_t* tile, const float* kscale, int64_t n, const in
         ai[g] = _mm256_add_epi32(ai[g], _mm256_madd_epi16(kv, _mm256_set1_epi32(pair)));
       }
     }
-    alignas(32) float col[8];
-    for (int64_t r = 0; r < 8; ++r) col[r] = r < n ? kscale[r * nb + b] : 0.0f;
-    const __m256 ksv = _mm256_load_ps(col);
+    const __m256 ksv = tile_key_scales(kscale, n, nb, b);
     for (int g = 0; g < GN; ++g)
       acc[g] = _mm256_add_ps(acc[g], _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(ai[g]), ksv),
                                                    _mm256_set1_ps(qs[g * nb + b])));
   }
-  alignas(32) float out8[8];
-  for (int g = 0; g < GN; ++g) {
-    _mm256_store_ps(out8, acc[g]);
-    for (int64_t r = 0; r < n; ++r) s[g * stride + r] = out8[r];
-  }
+  store_tile_scores<GN>(acc, n, s, stride);
 }
 
 // o_g[0:D] += sum_r p[g * stride + r] * vscale[r, b(d)] * vi[r, d] for GN heads over n <= 32
@@ -192,10 +214,7 @@ void q8_tile_scores(const int8_t* tile, const float* kscale, int64_t n, const in
 template <int GN>
 void q8_tile_values(const int8_t* vrows, const float* vscale, int64_t n, const float* p, int64_t stride,
                     int64_t D, int64_t qb, float* w, float* const* o) {
-  const int64_t nb = D / qb;
-  for (int64_t b = 0; b < nb; ++b)
-    for (int64_t r = 0; r < n; ++r)
-      for (int g = 0; g < GN; ++g) w[(b * 32 + r) * GN + g] = p[g * stride + r] * vscale[r * nb + b];
+  tile_value_weights<GN>(p, stride, vscale, n, D / qb, w);
   for (int64_t d0 = 0; d0 < D; d0 += 8) {  // qb is a multiple of 8: one block per slice
     const float* wb = w + (d0 / qb) * 32 * GN;
     __m256 acc[GN];
@@ -255,30 +274,21 @@ void q8_tile_scores_512(const int8_t* tile, const float* kscale, int64_t n, cons
       for (int g = 0; g < GN; ++g)
         ai[g] = _mm512_dpwssd_epi32(ai[g], kv, _mm512_loadu_si512(qx + (g * D4 + j) * 16));
     }
-    alignas(32) float col[8];
-    for (int64_t r = 0; r < 8; ++r) col[r] = r < n ? kscale[r * nb + b] : 0.0f;
-    const __m256 ksv = _mm256_load_ps(col);
+    const __m256 ksv = tile_key_scales(kscale, n, nb, b);
     for (int g = 0; g < GN; ++g) {
       const __m256i dots = _mm256_add_epi32(_mm512_castsi512_si256(ai[g]), _mm512_extracti64x4_epi64(ai[g], 1));
       acc[g] = _mm256_add_ps(acc[g], _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dots), ksv),
                                                    _mm256_set1_ps(qs[g * nb + b])));
     }
   }
-  alignas(32) float out8[8];
-  for (int g = 0; g < GN; ++g) {
-    _mm256_store_ps(out8, acc[g]);
-    for (int64_t r = 0; r < n; ++r) s[g * stride + r] = out8[r];
-  }
+  store_tile_scores<GN>(acc, n, s, stride);
 }
 
 // q8_tile_values (same contract, qb a multiple of 16) in 16-wide slices.
 template <int GN>
 void q8_tile_values_512(const int8_t* vrows, const float* vscale, int64_t n, const float* p, int64_t stride,
                         int64_t D, int64_t qb, float* w, float* const* o) {
-  const int64_t nb = D / qb;
-  for (int64_t b = 0; b < nb; ++b)
-    for (int64_t r = 0; r < n; ++r)
-      for (int g = 0; g < GN; ++g) w[(b * 32 + r) * GN + g] = p[g * stride + r] * vscale[r * nb + b];
+  tile_value_weights<GN>(p, stride, vscale, n, D / qb, w);
   for (int64_t d0 = 0; d0 < D; d0 += 16) {
     const float* wb = w + (d0 / qb) * 32 * GN;
     __m512 acc[GN];
