@@ -3,11 +3,16 @@
 scsa_decode.py times each arm in one long run after the other; on a shared host whose speed
 drifts by tens of percent over minutes that is not enough to trust a ratio. Here both compiled
 static decoders (dense, and SCSA on every layer) start from the same prefix cache and take
-turns (``--cluster-sizes`` adds one SCSA arm per cluster size): ``--rounds`` rounds of
-``--block`` steps each, and, where the CPU has AVX-512 VNNI, each
-round once with the kernels' AVX2 forms and once with their AVX-512 forms (native.avx512), so
-the forms are compared in the same way. SCSA calibrates first (32 steps, untimed, fresh index
-per context). Tokens are the book's own (speed only; greedy agreement is scsa_decode.py's).
+turns: ``--rounds`` rounds of ``--block`` steps each. ``--cluster-sizes`` and ``--tolerances``
+add one SCSA arm per value (their product); where the CPU has AVX-512 VNNI each round runs once
+with the kernels' AVX2 forms and once with their AVX-512 forms (native.avx512; ``--forms``
+picks one), so the forms are compared in the same way. Every arm first takes ``--calib`` + 8
+untimed steps (SCSA calibrates there, fresh index per context), so all arms then decode the
+same positions.
+
+Tokens are the book's own, fed to every arm alike (teacher forcing with natural text). Greedy
+agreement of an SCSA arm at a step = its argmax equals the dense arm's argmax at the same
+position, counted over every step after calibration (the 8 warm steps and the timed ones).
 
 The prefix cache of the longest context is built once (or loaded from ``--cache-file``, saved
 there after a build: a 32K prefill takes ~11 minutes here) and cut back for shorter contexts.
@@ -78,10 +83,13 @@ def main():
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--block", type=int, default=12)
     ap.add_argument("--calib", type=int, default=32)
-    ap.add_argument("--tolerance", type=float, default=0.025)
+    ap.add_argument("--tolerances", nargs="+", type=float, default=[0.025],
+                    help="one SCSA arm per SCSAConfig.tolerance (times each cluster size)")
     ap.add_argument("--metric", choices=["head", "group"], default="group")
     ap.add_argument("--cluster-sizes", nargs="+", type=int, default=[128],
                     help="one SCSA arm per SCSAConfig.cluster_size (all alternated with dense)")
+    ap.add_argument("--forms", choices=["both", "avx2", "avx512"], default="both",
+                    help="native kernel forms to time (avx512 only where the CPU has it)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--cache-file", default=None, help="load/save the longest prefix cache here")
@@ -93,14 +101,24 @@ def main():
     ids = ck.tokenizer(all_books_text())["input_ids"]
     contexts = sorted(args.contexts, reverse=True)  # the cache is cut back from the longest
     forms = [False, True] if native.avx512(None) else [False]
-    steps = args.calib + 8 + args.rounds * len(forms) * args.block
+    if args.forms != "both":
+        want = args.forms == "avx512"
+        if want not in forms:
+            sys.exit("scsa_alternate: this CPU has no AVX-512 VNNI form; use --forms avx2 or both")
+        forms = [want]
+    warm = args.calib + 8
+    steps = warm + args.rounds * len(forms) * args.block
     max_len = contexts[0] + steps + 1
     decs = {"dense": StaticDecoder(model, AttentionPolicy.from_config(ck.config), max_len=max_len, dynamic=True)}
-    sparse_arms = [f"sparse-{cs}" if len(args.cluster_sizes) > 1 else "sparse" for cs in args.cluster_sizes]
-    for arm, cs in zip(sparse_arms, args.cluster_sizes):
-        scsa = SCSAConfig(min_context=0, calib_steps=args.calib, tolerance=args.tolerance, calib_metric=args.metric,
+    arms = [(cs, tol) for cs in args.cluster_sizes for tol in args.tolerances]
+    sparse_arms = {}
+    for cs, tol in arms:
+        name = "sparse" + (f"-{cs}" if len(args.cluster_sizes) > 1 else "") + \
+            (f"@{tol:g}" if len(args.tolerances) > 1 else "")
+        scsa = SCSAConfig(min_context=0, calib_steps=args.calib, tolerance=tol, calib_metric=args.metric,
                           cluster_size=cs)
-        decs[arm] = StaticDecoder(model, build_sparse_policy(ck.config, scsa), max_len=max_len, dynamic=True)
+        sparse_arms[name] = tol
+        decs[name] = StaticDecoder(model, build_sparse_policy(ck.config, scsa), max_len=max_len, dynamic=True)
     for name, dec in decs.items():
         print(f"static {name} step compiled in {dec.warmup():.0f} s", file=sys.stderr, flush=True)
     cache = prefix_cache(model, ck.config, ids, contexts[0], args.chunk, args.cache_file)
@@ -119,14 +137,15 @@ def main():
             dec, times = decs[name], []
             for _ in range(n):
                 t0 = time.perf_counter()
-                dec.step(torch.tensor([ids[pos[name]]]))
+                logits = dec.step(torch.tensor([ids[pos[name]]]))
                 times.append(time.perf_counter() - t0)
+                top[name][pos[name]] = int(logits[0].argmax())
                 pos[name] += 1
             return times
 
-        for arm in sparse_arms:
-            run(arm, args.calib + 8)  # calibration, then a few steps on the frozen taus
-        run("dense", 8)
+        top = {name: {} for name in decs}
+        for name in decs:
+            run(name, warm)  # SCSA calibrates here, then a few steps on the frozen taus
         samples = {(a, f): [] for a in decs for f in forms}
         for _ in range(args.rounds):
             for f in forms:
@@ -138,9 +157,14 @@ def main():
             layers = list(decs[arm].sparse.layers.values())
             opened = sum(sc.counters["opened_rows"] for sc in layers)
             sparse_calls = sum(sc.counters["calls"] for sc in layers) - args.calib * len(layers)
+            judged = [p for p in top[arm] if p >= L + args.calib]
+            agree = sum(top[arm][p] == top["dense"][p] for p in judged)
             row = {"context": L, "arm": arm, "cluster_size": decs[arm].sparse.cfg.cluster_size,
-                   "timed_steps_per_arm": args.rounds * args.block,
-                   "opened_fraction": opened / max(1, sparse_calls * ck.config.num_kv_heads * L),
+                   "tolerance": sparse_arms[arm], "timed_steps_per_arm": args.rounds * len(forms) * args.block,
+                   "agreement": agree / len(judged), "agreed_steps": agree, "judged_steps": len(judged),
+                   # the cache grows by one row a step: its mean length over the judged calls
+                   "opened_fraction": opened / max(1, sparse_calls * ck.config.num_kv_heads
+                                                   * (L + args.calib + len(judged) / 2)),
                    "tau_median": statistics.median(t for sc in layers for t in sc.taus.tolist())}
             msg = f"L={L:>6} {arm}"
             for f in forms:
@@ -148,12 +172,13 @@ def main():
                 d, s = statistics.median(samples[("dense", f)]), statistics.median(samples[(arm, f)])
                 row[tag] = {"dense_ms": 1e3 * d, "sparse_ms": 1e3 * s, "speedup": d / s}
                 msg += f" | {tag}: dense {1e3 * d:6.1f} ms SCSA {1e3 * s:6.1f} ms  {d / s:4.2f}x"
-            print(msg + f" | opened {100 * row['opened_fraction']:.0f}%", flush=True)
+            print(msg + f" | opened {100 * row['opened_fraction']:.0f}% | agreement {agree}/{len(judged)}",
+                  flush=True)
             rows.append(row)
     RESULTS.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "model": args.model, "weights": args.weights, "threads": args.threads, "rounds": args.rounds,
-        "block": args.block, "tolerance": args.tolerance, "metric": args.metric, "cpu": cpu_description(),
+        "block": args.block, "tolerances": args.tolerances, "metric": args.metric, "cpu": cpu_description(),
         "rows": rows}, indent=1))
     print(f"wrote {args.out}")
 
