@@ -8,10 +8,14 @@ head_dim 64, float32; sparse.synthetic):
   * scsa-torch:  the same layer on the PyTorch ops (native=False), same decisions;
   * fused-dense: longattn's fused C++ dense decode kernel over every row (the eager
     Session's and the static step's dense read);
-  * sdpa-dense:  torch's scaled_dot_product_attention over every row.
+  * sdpa-dense:  torch's scaled_dot_product_attention over every row;
+  * read-floor:  torch.sum over K and over V: every byte the dense call reads, read once with
+    next to no arithmetic, so fused-dense ÷ read-floor says how far the dense kernel is from
+    this host's read rate (both from whatever cache level holds the buffers: the host's L3
+    may hold a 32K head's 33.5 MB, a model step's whole cache it does not).
 Fixed thresholds (no calibration) so every arm reads the same thing each call.
 
-    python benchmarks/scsa_call.py --threads 2 [--sizes 4096 32768] [--taus 0.02 0.16]
+    python benchmarks/scsa_call.py --threads 2 [--sizes 4096 32768] [--taus 0.02 0.16] [--copies 12]
 
 Writes benchmarks/results/scsa_call.json. Do not run beside tests or builds.
 """
@@ -52,6 +56,8 @@ def main():
     ap.add_argument("--taus", nargs="+", type=float, default=[0.02, 0.16])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--copies", type=int, default=1,
+                    help="cycle the calls through this many copies of the cache (past L3: cold reads)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=str(RESULTS / "scsa_call.json"))
     args = ap.parse_args()
@@ -64,23 +70,30 @@ def main():
     for n in args.sizes:
         cache = synthetic_cache(n, HKV, D, seed=1)
         qs = cache.queries(args.calls, H, seed=2)  # [calls, 1, H, 1, D]
-        k, v = cache.k, cache.v
+        # --copies > 1: call i reads copy i % copies (same contents, so the same opened sets;
+        # each SCSA arm keeps one index per copy), enough of them to push the reads past L3
+        bufs = [(cache.k, cache.v)] + [(cache.k.clone(), cache.v.clone()) for _ in range(args.copies - 1)]
+        kv = lambda i: bufs[i % len(bufs)]  # noqa: E731
         k_pos = torch.arange(n).unsqueeze(0)
         q_pos = torch.full((1, 1), n - 1)
-        none = k[:, :, :0]
+        none = cache.k[:, :, :0]
         layers, form = {}, {}
         natives = {"scsa-native-avx2": False, "scsa-native-avx512": True} if wide else {"scsa-native": None}
         for tau in args.taus:
             for arm, nat in [(a, True) for a in natives] + [("scsa-torch", False)]:
-                layer = SCSALayer(SCSAConfig(min_context=0, calib_steps=0, tau_default=tau, native=nat), H, HKV, D)
-                layer.attend(qs[0], k, v, scale)  # builds the index, untimed
-                layers[(arm, tau)] = layer
+                per_copy = []
+                for k, v in bufs:
+                    layer = SCSALayer(SCSAConfig(min_context=0, calib_steps=0, tau_default=tau, native=nat), H, HKV, D)
+                    layer.attend(qs[0], k, v, scale)  # builds the index, untimed
+                    per_copy.append(layer)
+                layers[(arm, tau)] = per_copy
                 form[f"{arm}@{tau}"] = natives.get(arm)
-        arms = {f"{arm}@{tau}": (lambda i, L=layer: L.attend(qs[i], k, v, scale))
-                for (arm, tau), layer in layers.items()}
+        arms = {f"{arm}@{tau}": (lambda i, Ls=per_copy: Ls[i % len(Ls)].attend(qs[i], *kv(i), scale))
+                for (arm, tau), per_copy in layers.items()}
         arms["fused-dense"] = lambda i: torch.ops.longattn_cpu.decode_attention(
-            qs[i], k, v, k_pos, q_pos, none, none, 0, 0, scale)
-        arms["sdpa-dense"] = lambda i: F.scaled_dot_product_attention(qs[i], k, v, scale=scale, enable_gqa=True)
+            qs[i], *kv(i), k_pos, q_pos, none, none, 0, 0, scale)
+        arms["read-floor"] = lambda i: [t.sum() for t in kv(i)]
+        arms["sdpa-dense"] = lambda i: F.scaled_dot_product_attention(qs[i], *kv(i), scale=scale, enable_gqa=True)
         samples = {a: [] for a in arms}
         for _ in range(args.repeats):
             for a, fn in arms.items():
@@ -89,18 +102,21 @@ def main():
         native.avx512(None)
         med = {a: statistics.median(s) for a, s in samples.items()}
         opened = {}
-        for (arm, tau), layer in layers.items():
+        for (arm, tau), per_copy in layers.items():
             if arm.startswith("scsa-native"):
-                c = layer.counters
-                opened[tau] = c["opened_rows"] / c["calls"] / (HKV * n)
+                rows_, calls = (sum(L.counters[c] for L in per_copy) for c in ("opened_rows", "calls"))
+                opened[tau] = rows_ / calls / (HKV * n)
         row = {"rows": n, "ms": {a: 1e3 * t for a, t in med.items()}, "opened_fraction": opened,
-               "speedup_vs_fused_dense": {a: med["fused-dense"] / t for a, t in med.items()}}
+               "speedup_vs_fused_dense": {a: med["fused-dense"] / t for a, t in med.items()},
+               "dense_read_gb_s": {a: 2 * cache.k.nbytes / med[a] / 1e9 for a in ("fused-dense", "read-floor")}}
         rows.append(row)
         print(f"N={n}: " + "  ".join(f"{a} {1e3 * t:.3f} ms" for a, t in med.items()), flush=True)
+        print(f"   fused dense reads {row['dense_read_gb_s']['fused-dense']:.1f} GB/s, "
+              f"read floor {row['dense_read_gb_s']['read-floor']:.1f} GB/s", flush=True)
         print("   opened " + "  ".join(f"tau {t}: {100 * f:.1f}%" for t, f in opened.items()), flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"threads": args.threads, "cpu": cpu_description(), "shape": [H, HKV, D],
-                                          "calls": args.calls,
+                                          "calls": args.calls, "copies": args.copies,
                                           "repeats": args.repeats, "rows": rows}, indent=1))
     print(f"wrote {args.out}")
 

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from longattn.sparse import SCSAConfig, SCSALayer
 from longattn.sparse.config import TREE_ORDERS
-from longattn.sparse.kernel import cluster_scores, select_flat, select_tree
+from longattn.sparse.kernel import cluster_scores, needed, select_flat, select_tree
 from longattn.sparse.synthetic import synthetic_cache
 
 HEAD_DIM = 64
@@ -64,6 +64,19 @@ def mem_available_gb() -> float:
     except OSError:
         pass
     return 0.0
+
+
+def true_leaf_logmass(index, q, k, beta: float) -> torch.Tensor:
+    """``[1, g, M]`` exact log attention mass of each leaf cluster (one KV head).
+
+    q ``[g, D]``, k ``[N, D]``. With these in place of the estimates, the stop rule opens the
+    fewest leaves that really leave less than tau of the mass uncaptured: a floor on what any
+    selection meeting tau must open (and so score), whatever its summaries.
+    """
+    slots = index.slots[0, :index.num_clusters]                       # [M, cs], -1 = padding
+    s = beta * q @ k.T                                                # [g, N]
+    member = s[:, slots.clamp_min(0)].masked_fill(slots < 0, float("-inf"))  # [g, M, cs]
+    return torch.logsumexp(member, -1).unsqueeze(0)
 
 
 def bench_selection(n: int, regime: str, queries: int, repeats: int, tau: float,
@@ -108,7 +121,10 @@ def bench_selection(n: int, regime: str, queries: int, repeats: int, tau: float,
                     opened[name].append(int(sel.opened.sum()))
     # Output error of each selection against dense attention (the price of a cheap selection).
     errors = {"flat": [], "hier": []}
+    oracle = []
     for q, p in zip(qs, preps):
+        true = true_leaf_logmass(index, q[0, :, 0], cache.k[0, 0], beta)
+        oracle.append(int(needed(true, p["log_exact"], taus).sum()))
         dense = F.scaled_dot_product_attention(q, cache.k, cache.v, scale=beta, enable_gqa=True)
         dense = dense[0, :, 0].view(1, group, HEAD_DIM)  # [Hkv=1, g, D]
         full = layer._prepare(index, q[0, :, 0], cache.k[0], cache.v[0], beta, flat_scores=True)
@@ -123,6 +139,7 @@ def bench_selection(n: int, regime: str, queries: int, repeats: int, tau: float,
         out[f"{name}_scored"] = statistics.median(scored[name])
         out[f"{name}_opened"] = statistics.median(opened[name])
         out[f"{name}_median_rel_err"] = round(statistics.median(errors[name]), 5)
+    out["oracle_opened"] = statistics.median(oracle)
     out["flat_over_hier"] = round(out["flat_ms"] / out["hier_ms"], 3)
     del cache, layer, index, preps
     return out
@@ -287,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r[name + '_opened']:.0f} opened, err {r[name + '_median_rel_err']:.3f})"
                      for name in ("flat", "hier")]
             print(f"select {regime:8s} N={n:8d} M={r['clusters']:5d}  {parts[0]}  {parts[1]}  "
-                  f"flat/hier {r['flat_over_hier']:.2f} time, "
+                  f"oracle {r['oracle_opened']:.0f} opened  flat/hier {r['flat_over_hier']:.2f} time, "
                   f"{r['flat_scored'] / max(r['hier_scored'], 1):.2f} scored", flush=True)
     for n in att_sizes:
         for regime in REGIMES:
