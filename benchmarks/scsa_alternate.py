@@ -14,7 +14,9 @@ Tokens are the book's own, fed to every arm alike (teacher forcing with natural 
 agreement of an SCSA arm at a step = its argmax equals the dense arm's argmax at the same
 position, counted over every step after calibration (the 8 warm steps and the timed ones).
 As a control, the calibration steps (exact attention through SCSA's own dense path, so only
-rounding differs from the dense arm) are counted the same way.
+rounding differs from the dense arm) are counted the same way; ``--controls`` adds two arms that
+open every cluster (tau 0, no calibration): q8_0 packing (what the packing alone costs) and f32
+packing (rounding alone, on every step).
 
 The prefix cache of the longest context is built once (or loaded from ``--cache-file``, saved
 there after a build: a 32K prefill takes ~11 minutes here) and cut back for shorter contexts.
@@ -88,6 +90,9 @@ def main():
     ap.add_argument("--tolerances", nargs="+", type=float, default=[0.025],
                     help="one SCSA arm per SCSAConfig.tolerance (times each cluster size)")
     ap.add_argument("--metric", choices=["head", "group"], default="group")
+    ap.add_argument("--controls", action="store_true",
+                    help="two more arms at tau 0 (everything opened): q8_0 packing, and f32 packing (PyTorch "
+                         "path, slow): what packing alone, and rounding alone, do to agreement")
     ap.add_argument("--cluster-sizes", nargs="+", type=int, default=[128],
                     help="one SCSA arm per SCSAConfig.cluster_size (all alternated with dense)")
     ap.add_argument("--forms", choices=["both", "avx2", "avx512"], default="both",
@@ -121,6 +126,11 @@ def main():
                           cluster_size=cs)
         sparse_arms[name] = tol
         decs[name] = StaticDecoder(model, build_sparse_policy(ck.config, scsa), max_len=max_len, dynamic=True)
+    if args.controls:  # tau 0, no calibration: every cluster opened, so no tail at all
+        for name, packing in (("control-q8-all", "q8_0"), ("control-f32-all", "f32")):
+            scsa = SCSAConfig(min_context=0, calib_steps=0, tau_default=0.0, packing=packing)
+            sparse_arms[name] = None
+            decs[name] = StaticDecoder(model, build_sparse_policy(ck.config, scsa), max_len=max_len, dynamic=True)
     for name, dec in decs.items():
         print(f"static {name} step compiled in {dec.warmup():.0f} s", file=sys.stderr, flush=True)
     cache = prefix_cache(model, ck.config, ids, contexts[0], args.chunk, args.cache_file)
@@ -158,15 +168,16 @@ def main():
         for arm in sparse_arms:
             layers = list(decs[arm].sparse.layers.values())
             opened = sum(sc.counters["opened_rows"] for sc in layers)
-            sparse_calls = sum(sc.counters["calls"] for sc in layers) - args.calib * len(layers)
+            calib = decs[arm].sparse.cfg.calib_steps
+            sparse_calls = sum(sc.counters["calls"] for sc in layers) - calib * len(layers)
             judged = [p for p in top[arm] if p >= L + args.calib]
             agree = sum(top[arm][p] == top["dense"][p] for p in judged)
             # control: calibration steps attend exactly (another dense kernel, other rounding)
-            calib_agree = sum(top[arm][p] == top["dense"][p] for p in range(L, L + args.calib))
+            calib_agree = sum(top[arm][p] == top["dense"][p] for p in range(L, L + calib))
             row = {"context": L, "arm": arm, "cluster_size": decs[arm].sparse.cfg.cluster_size,
                    "tolerance": sparse_arms[arm], "timed_steps_per_arm": args.rounds * len(forms) * args.block,
                    "agreement": agree / len(judged), "agreed_steps": agree, "judged_steps": len(judged),
-                   "calibration_steps_agreeing": calib_agree,
+                   "calibration_steps_agreeing": calib_agree, "calibration_steps": calib,
                    # the cache grows by one row a step: its mean length over the judged calls
                    "opened_fraction": opened / max(1, sparse_calls * ck.config.num_kv_heads
                                                    * (L + args.calib + len(judged) / 2)),
@@ -178,7 +189,7 @@ def main():
                 row[tag] = {"dense_ms": 1e3 * d, "sparse_ms": 1e3 * s, "speedup": d / s}
                 msg += f" | {tag}: dense {1e3 * d:6.1f} ms SCSA {1e3 * s:6.1f} ms  {d / s:4.2f}x"
             print(msg + f" | opened {100 * row['opened_fraction']:.0f}% | agreement {agree}/{len(judged)} "
-                  f"(exact calibration steps {calib_agree}/{args.calib})",
+                  f"(exact calibration steps {calib_agree}/{calib})",
                   flush=True)
             rows.append(row)
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,8 @@ head_dim 64, float32; sparse.synthetic):
     its opened-cluster phase, bit-identical outputs; native.avx512);
   * scsa-torch:  the same layer on the PyTorch ops (native=False), same decisions;
   * fused-dense: longattn's fused C++ dense decode kernel over every row (the eager
-    Session's and the static step's dense read);
+    Session's and the static step's dense read); where the CPU has AVX-512, also
+    fused-dense-avx2 (its AVX2 row loops, the same bits);
   * sdpa-dense:  torch's scaled_dot_product_attention over every row;
   * read-floor:  torch.sum over K and over V: every byte the dense call reads, read once with
     next to no arithmetic, so fused-dense ÷ read-floor says how far the dense kernel is from
@@ -90,8 +91,12 @@ def main():
                 form[f"{arm}@{tau}"] = natives.get(arm)
         arms = {f"{arm}@{tau}": (lambda i, Ls=per_copy: Ls[i % len(Ls)].attend(qs[i], *kv(i), scale))
                 for (arm, tau), per_copy in layers.items()}
-        arms["fused-dense"] = lambda i: torch.ops.longattn_cpu.decode_attention(
+        fused = lambda i: torch.ops.longattn_cpu.decode_attention(  # noqa: E731
             qs[i], *kv(i), k_pos, q_pos, none, none, 0, 0, scale)
+        arms["fused-dense"] = fused  # the CPU's best form
+        if wide:
+            arms["fused-dense-avx2"] = fused
+            form["fused-dense-avx2"] = False
         arms["read-floor"] = lambda i: [t.sum() for t in kv(i)]
         arms["sdpa-dense"] = lambda i: F.scaled_dot_product_attention(qs[i], *kv(i), scale=scale, enable_gqa=True)
         samples = {a: [] for a in arms}
@@ -108,11 +113,11 @@ def main():
                 opened[tau] = rows_ / calls / (HKV * n)
         row = {"rows": n, "ms": {a: 1e3 * t for a, t in med.items()}, "opened_fraction": opened,
                "speedup_vs_fused_dense": {a: med["fused-dense"] / t for a, t in med.items()},
-               "dense_read_gb_s": {a: 2 * cache.k.nbytes / med[a] / 1e9 for a in ("fused-dense", "read-floor")}}
+               "dense_read_gb_s": {a: 2 * cache.k.nbytes / med[a] / 1e9 for a in med
+                                   if a.startswith("fused-dense") or a == "read-floor"}}
         rows.append(row)
         print(f"N={n}: " + "  ".join(f"{a} {1e3 * t:.3f} ms" for a, t in med.items()), flush=True)
-        print(f"   fused dense reads {row['dense_read_gb_s']['fused-dense']:.1f} GB/s, "
-              f"read floor {row['dense_read_gb_s']['read-floor']:.1f} GB/s", flush=True)
+        print("   reads " + ", ".join(f"{a} {r:.1f} GB/s" for a, r in row["dense_read_gb_s"].items()), flush=True)
         print("   opened " + "  ".join(f"tau {t}: {100 * f:.1f}%" for t, f in opened.items()), flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"threads": args.threads, "cpu": cpu_description(), "shape": [H, HKV, D],

@@ -95,3 +95,31 @@ def test_rejects_bad_shapes_and_dtypes():
         torch.ops.longattn_cpu.decode_attention(q[:, :3], k, v, k_pos, q_pos, k_new, v_new, 0, 0, 1.0)
     with pytest.raises(RuntimeError, match="k_pos"):
         torch.ops.longattn_cpu.decode_attention(q, k, v, k_pos[:, :5], q_pos, k_new, v_new, 0, 0, 1.0)
+
+
+@pytest.mark.parametrize("B,H,Hkv,S,D", [(1, 4, 1, 513, 256), (2, 14, 2, 1029, 64), (1, 9, 3, 100, 64),
+                                         (1, 9, 1, 77, 32), (2, 8, 1, 300, 128), (1, 13, 1, 40, 16)])
+@pytest.mark.parametrize("window,sinks", [(None, 0), (16, 4)])
+def test_avx512_form_equals_the_avx2_form(B, H, Hkv, S, D, window, sinks):
+    """The AVX-512 row loops do dot8/hsum8's and weighted_rows' float operations in the same
+    order per element, so both forms give the same bits (grouped heads 1..13 per KV head: passes
+    of up to six heads, 9 -> 5 + 4, 13 -> 5 + 4 + 4; row counts off a multiple of 8 and of 32;
+    threads splitting the slots). A CPU without AVX-512 refuses the forced form instead."""
+    if not native.avx512(None):
+        with pytest.raises(RuntimeError, match="lacks AVX-512"):
+            native.avx512(True)
+        assert native.avx512(None) is False
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for seed in range(2):
+            args = case(B, H, Hkv, S, D, seed)
+            outs = []
+            for wide in (False, True):
+                assert native.avx512(wide) is wide
+                outs.append(check(*args, window, sinks))
+            assert torch.equal(outs[0], outs[1])
+    finally:
+        native.avx512(None)
+        torch.set_num_threads(old)

@@ -84,11 +84,12 @@ def available() -> bool:
 
 
 def avx512(want: bool | None = None) -> bool:
-    """Which form the kernels that have two take (SCSA's opened-row phase, int4_gemv's row
-    dots): ``want`` None = the CPU's best (AVX-512 F/BW/VL/DQ/VNNI where present, else AVX2),
-    True / False to force one (True raises RuntimeError on a CPU without AVX-512). Returns True
-    when the AVX-512 forms are in use. SCSA's two forms give bit-identical outputs; the int4
-    GEMV's differ in the last bits (other float lanes), both within the bound the tests derive.
+    """Which form the kernels that have two take (SCSA's opened-row phase, the dense fused
+    decode attention's row loops, int4_gemv's row dots): ``want`` None = the CPU's best
+    (AVX-512 F/BW/VL/DQ/VNNI where present, else AVX2), True / False to force one (True raises
+    RuntimeError on a CPU without AVX-512). Returns True when the AVX-512 forms are in use.
+    SCSA's and the dense attention's two forms give bit-identical outputs; the int4 GEMV's
+    differ in the last bits (other float lanes), both within the bound the tests derive.
     The switch exists for tests and benchmarks."""
     if not available():
         return False

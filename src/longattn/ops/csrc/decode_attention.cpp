@@ -21,6 +21,12 @@
 // (stream, KV head, slot chunk) items across threads (flash-decoding's split over the
 // sequence, so one KV head still uses every core); each item keeps its own running max,
 // normaliser and numerator, merged exactly at the end with the own key.
+//
+// Where the CPU has AVX-512 (longattn::use_avx512) and D % 16 == 0, the score and numerator
+// loops take a wide form with the same bits (below): the AVX2 loops re-load every key and value
+// row once per query head and sit at about half this host's read rate (session 10: 8.9 of 17.9
+// GB/s from DRAM, 16 of 42 GB/s from L3, one 32K Qwen head pair), bound by instructions on a
+// 2-vCPU (one core) host rather than by memory.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -28,6 +34,7 @@
 #include <immintrin.h>
 
 #include "avx2_util.h"
+#include "cpu_features.h"
 
 #include <algorithm>
 #include <cmath>
@@ -44,6 +51,117 @@ using longattn::merge_parts;
 using longattn::weighted_rows;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// ---- AVX-512 forms of the two row loops, chosen at run time -------------------------------
+// Same float operations in the same order per output element as dot8 + hsum8 and
+// weighted_rows, so the outputs are bit-identical to the AVX2 loops (tests compare them with
+// torch.equal). Scores: a 512-bit register holds eight dims of two key rows (rows 2p, 2p+1 in
+// its halves) and meets each query head's eight dims broadcast to both halves, so every key
+// load serves all heads of the pass; lane l of a half accumulates exactly what lane l of dot8's
+// row accumulator does, and the halves are summed by the same hsum8. Numerators: each value row
+// is loaded once per 32 columns for all heads of the pass; a column's FMA chain over the rows
+// is the same as weighted_rows'. Heads go in passes of at most kWideHeads (register budget:
+// 4 accumulators per head + 4 key pairs + the query in 32 registers).
+constexpr int kWideHeads = 6;
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+
+// s[g * 8 + r] = qs[g] . rows[r] for GN heads (query rows D apart) and 8 key rows, D % 8 == 0.
+template <int GN>
+void scores8_wide(const float* qs, const float* const* rows, int64_t D, float* s) {
+  __m512 acc[GN][4];
+  for (int g = 0; g < GN; ++g)
+    for (int p = 0; p < 4; ++p) acc[g][p] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    __m512 kp[4];
+    for (int p = 0; p < 4; ++p)
+      kp[p] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(rows[2 * p] + d)),
+                                 _mm256_loadu_ps(rows[2 * p + 1] + d), 1);
+    for (int g = 0; g < GN; ++g) {
+      const __m512 qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(qs + g * D + d));
+      for (int p = 0; p < 4; ++p) acc[g][p] = _mm512_fmadd_ps(qv, kp[p], acc[g][p]);
+    }
+  }
+  for (int g = 0; g < GN; ++g) {
+    __m256 a[8];
+    for (int p = 0; p < 4; ++p) {
+      a[2 * p] = _mm512_castps512_ps256(acc[g][p]);
+      a[2 * p + 1] = _mm512_extractf32x8_ps(acc[g][p], 1);
+    }
+    _mm256_storeu_ps(s + g * 8, longattn::hsum8(a));
+  }
+}
+
+// o[g][0:D] += sum_j p[g * stride + j] * rows[j][0:D] for GN heads (outputs ostride apart),
+// n rows, D % 16 == 0: weighted_rows' per-column chains, 32 columns at a time.
+template <int GN>
+void weighted_rows_wide(const float* p, int64_t stride, const float* const* rows, int64_t n, int64_t D,
+                        float* o, int64_t ostride) {
+  int64_t d = 0;
+  for (; d + 32 <= D; d += 32) {
+    __m512 acc[GN][2];
+    for (int g = 0; g < GN; ++g) {
+      acc[g][0] = _mm512_loadu_ps(o + g * ostride + d);
+      acc[g][1] = _mm512_loadu_ps(o + g * ostride + d + 16);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const __m512 r0 = _mm512_loadu_ps(rows[j] + d), r1 = _mm512_loadu_ps(rows[j] + d + 16);
+      for (int g = 0; g < GN; ++g) {
+        const __m512 w = _mm512_set1_ps(p[g * stride + j]);
+        acc[g][0] = _mm512_fmadd_ps(w, r0, acc[g][0]);
+        acc[g][1] = _mm512_fmadd_ps(w, r1, acc[g][1]);
+      }
+    }
+    for (int g = 0; g < GN; ++g) {
+      _mm512_storeu_ps(o + g * ostride + d, acc[g][0]);
+      _mm512_storeu_ps(o + g * ostride + d + 16, acc[g][1]);
+    }
+  }
+  for (; d < D; d += 16) {
+    __m512 acc[GN];
+    for (int g = 0; g < GN; ++g) acc[g] = _mm512_loadu_ps(o + g * ostride + d);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m512 r = _mm512_loadu_ps(rows[j] + d);
+      for (int g = 0; g < GN; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * stride + j]), r, acc[g]);
+    }
+    for (int g = 0; g < GN; ++g) _mm512_storeu_ps(o + g * ostride + d, acc[g]);
+  }
+}
+
+#pragma GCC pop_options
+
+// Runtime head count -> template (1 <= gn <= kWideHeads).
+template <template <int> class F, typename... A>
+void with_heads(int64_t gn, A... a) {
+  switch (gn) {
+    case 1: F<1>::run(a...); break;
+    case 2: F<2>::run(a...); break;
+    case 3: F<3>::run(a...); break;
+    case 4: F<4>::run(a...); break;
+    case 5: F<5>::run(a...); break;
+    default: F<6>::run(a...); break;
+  }
+}
+template <int GN>
+struct Scores8Wide {
+  static void run(const float* qs, const float* const* rows, int64_t D, float* s) { scores8_wide<GN>(qs, rows, D, s); }
+};
+template <int GN>
+struct RowsWide {
+  static void run(const float* p, int64_t stride, const float* const* rows, int64_t n, int64_t D, float* o,
+                  int64_t ostride) {
+    weighted_rows_wide<GN>(p, stride, rows, n, D, o, ostride);
+  }
+};
+
+// Passes of at most kWideHeads heads, as even as possible (7 -> 4 + 3, not 6 + 1): pass i
+// covers heads [first(i), first(i + 1)).
+struct HeadPasses {
+  int64_t G, n;
+  explicit HeadPasses(int64_t g) : G(g), n((g + kWideHeads - 1) / kWideHeads) {}
+  int64_t first(int64_t i) const { return i * G / n; }
+};
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& k_pos, const at::Tensor& q_pos, const at::Tensor& k_new,
@@ -86,6 +204,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t chunk = (S + chunks - 1) / chunks;
   // partial[item][g] = (max, normaliser, numerator[D])
   std::vector<float> part(heads * chunks * G * (D + 2));
+  // the AVX-512 loops (same bits) where the CPU has them and rows are whole 512-bit vectors
+  const bool wide = longattn::use_avx512() && D % 16 == 0;
+  const HeadPasses passes(G);
 
   at::parallel_for(0, heads * chunks, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> qs(G * D), scores;
@@ -122,12 +243,22 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       }
       // scores: eight rows at a time, every query head per block (the rows stay in L1)
       int64_t j = 0;
-      float s8[8];
-      for (; j + 8 <= n; j += 8)
-        for (int64_t g = 0; g < G; ++g) {
-          dot8(qs.data() + g * D, krow.data() + j, D, s8);
-          for (int r = 0; r < 8; ++r) scores[g * n + j + r] = s8[r];
-        }
+      float s8[8 * kWideHeads];
+      if (wide) {
+        for (; j + 8 <= n; j += 8)
+          for (int64_t i = 0; i < passes.n; ++i) {
+            const int64_t g0 = passes.first(i), gn = passes.first(i + 1) - g0;
+            with_heads<Scores8Wide>(gn, static_cast<const float*>(qs.data() + g0 * D), krow.data() + j, D, s8);
+            for (int64_t g = 0; g < gn; ++g)
+              for (int r = 0; r < 8; ++r) scores[(g0 + g) * n + j + r] = s8[g * 8 + r];
+          }
+      } else {
+        for (; j + 8 <= n; j += 8)
+          for (int64_t g = 0; g < G; ++g) {
+            dot8(qs.data() + g * D, krow.data() + j, D, s8);
+            for (int r = 0; r < 8; ++r) scores[g * n + j + r] = s8[r];
+          }
+      }
       for (; j < n; ++j)
         for (int64_t g = 0; g < G; ++g) scores[g * n + j] = dot(qs.data() + g * D, krow[j], D);
       for (int64_t g = 0; g < G; ++g) {
@@ -139,8 +270,17 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       // numerators: tiles of 32 rows (<= 32 KiB at D = 256) reused by every head from cache
       for (int64_t r0 = 0; r0 < n; r0 += 32) {
         const int64_t nr = std::min<int64_t>(32, n - r0);
-        for (int64_t g = 0; g < G; ++g)
-          weighted_rows(scores.data() + g * n + r0, vrow.data() + r0, nr, D, out + g * (D + 2) + 2);
+        if (wide) {
+          for (int64_t i = 0; i < passes.n; ++i) {
+            const int64_t g0 = passes.first(i), gn = passes.first(i + 1) - g0;
+            with_heads<RowsWide>(gn, static_cast<const float*>(scores.data() + g0 * n + r0), n,
+                                 static_cast<const float* const*>(vrow.data() + r0), nr, D,
+                                 out + g0 * (D + 2) + 2, D + 2);
+          }
+        } else {
+          for (int64_t g = 0; g < G; ++g)
+            weighted_rows(scores.data() + g * n + r0, vrow.data() + r0, nr, D, out + g * (D + 2) + 2);
+        }
       }
     }
   });
