@@ -11,7 +11,11 @@ Two regimes of synthetic queries (strength 1.5, noise 1.0):
   * focused: the heads of a group aim at one of max(48, N/512) components; a bounded set of
     keys matters.
 The relative output error of each selection (at the same fixed tau) is reported next to its
-cost: a cheap walk that stops early is only as good as its error.
+cost: a cheap walk that stops early is only as good as its error. So are two checks against
+the exact per-leaf masses: ``oracle_opened``, the fewest leaves that really leave less than tau
+of the mass uncaptured (what any selection meeting tau in truth must open, hence score), and
+``*_true_uncaptured``, the mass fraction each selection really left unopened (its stop rule
+bounds only its estimate of that by tau).
 Part 2, attend: one full ``SCSALayer.attend`` (after its 32-call self-calibration) vs dense
 ``F.scaled_dot_product_attention`` at 4K .. 32K tokens for the Qwen2.5-0.5B head shape
 (14 query heads, 2 KV heads, head_dim 64), diffuse regime, with the relative error of the output.
@@ -122,16 +126,21 @@ def bench_selection(n: int, regime: str, queries: int, repeats: int, tau: float,
     # Output error of each selection against dense attention (the price of a cheap selection).
     errors = {"flat": [], "hier": []}
     oracle = []
+    uncaptured = {"flat": [], "hier": []}
     for q, p in zip(qs, preps):
         true = true_leaf_logmass(index, q[0, :, 0], cache.k[0, 0], beta)
         oracle.append(int(needed(true, p["log_exact"], taus).sum()))
         dense = F.scaled_dot_product_attention(q, cache.k, cache.v, scale=beta, enable_gqa=True)
         dense = dense[0, :, 0].view(1, group, HEAD_DIM)  # [Hkv=1, g, D]
         full = layer._prepare(index, q[0, :, 0], cache.k[0], cache.v[0], beta, flat_scores=True)
+        total = torch.logaddexp(torch.logsumexp(true, -1), p["log_exact"])  # [1, g] true log-mass
         for name in ("flat", "hier"):
             sel, tail, v_tail = layer._select(index, full, beta, taus, hierarchical=name == "hier")
             o = layer._output(index, full, sel, tail, v_tail, beta)
             errors[name].append(((o - dense).norm(dim=-1) / dense.norm(dim=-1)).median().item())
+            # what the stop rule left out, in truth (tau bounds its estimate of this)
+            left = torch.logsumexp(true.masked_fill(sel.opened.unsqueeze(1), float("-inf")), -1)
+            uncaptured[name].append((left - total).exp().median().item())
     out = {"n": n, "regime": regime, "clusters": index.num_clusters, "tree_nodes": index.tree.num_nodes,
            "build_s": round(build_s, 3), "tau": tau, "tree_order": tree_order, "cluster_size": cluster_size}
     for name in ("flat", "hier"):
@@ -139,6 +148,7 @@ def bench_selection(n: int, regime: str, queries: int, repeats: int, tau: float,
         out[f"{name}_scored"] = statistics.median(scored[name])
         out[f"{name}_opened"] = statistics.median(opened[name])
         out[f"{name}_median_rel_err"] = round(statistics.median(errors[name]), 5)
+        out[f"{name}_true_uncaptured"] = round(statistics.median(uncaptured[name]), 5)
     out["oracle_opened"] = statistics.median(oracle)
     out["flat_over_hier"] = round(out["flat_ms"] / out["hier_ms"], 3)
     del cache, layer, index, preps
@@ -304,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r[name + '_opened']:.0f} opened, err {r[name + '_median_rel_err']:.3f})"
                      for name in ("flat", "hier")]
             print(f"select {regime:8s} N={n:8d} M={r['clusters']:5d}  {parts[0]}  {parts[1]}  "
-                  f"oracle {r['oracle_opened']:.0f} opened  flat/hier {r['flat_over_hier']:.2f} time, "
+                  f"oracle {r['oracle_opened']:.0f} opened  truly uncaptured flat {r['flat_true_uncaptured']:.3f} "
+                  f"hier {r['hier_true_uncaptured']:.3f}  flat/hier {r['flat_over_hier']:.2f} time, "
                   f"{r['flat_scored'] / max(r['hier_scored'], 1):.2f} scored", flush=True)
     for n in att_sizes:
         for regime in REGIMES:
