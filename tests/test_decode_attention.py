@@ -103,7 +103,7 @@ def test_rejects_bad_shapes_and_dtypes():
 def test_avx512_form_equals_the_avx2_form(B, H, Hkv, S, D, window, sinks):
     """The AVX-512 row loops do dot8/hsum8's and weighted_rows' float operations in the same
     order per element, so both forms give the same bits (grouped heads 1..13 per KV head: passes
-    of up to six heads, 9 -> 5 + 4, 13 -> 5 + 4 + 4; row counts off a multiple of 8 and of 32;
+    of up to six heads, 9 -> 4 + 5, 13 -> 4 + 4 + 5; row counts off a multiple of 8 and of 32;
     threads splitting the slots). A CPU without AVX-512 refuses the forced form instead."""
     if not native.avx512(None):
         with pytest.raises(RuntimeError, match="lacks AVX-512"):

@@ -155,7 +155,7 @@ struct RowsWide {
   }
 };
 
-// Passes of at most kWideHeads heads, as even as possible (7 -> 4 + 3, not 6 + 1): pass i
+// Passes of at most kWideHeads heads, as even as possible (7 -> 3 + 4, not 6 + 1): pass i
 // covers heads [first(i), first(i + 1)).
 struct HeadPasses {
   int64_t G, n;
