@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace longattn {
@@ -174,6 +176,16 @@ inline void merge_parts(const std::vector<const float*>& parts, int64_t D, float
   }
   const float inv = 1.0f / den;
   for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+}
+
+// Calls f(std::integral_constant<int, GN>) with GN = min(gn, Max) (gn >= 1): kernels that keep
+// accumulator registers per query head need the head count as a compile-time constant.
+template <int Max = 8, typename F>
+void with_heads(int64_t gn, F&& f) {
+  if constexpr (Max > 1) {
+    if (gn < Max) return with_heads<Max - 1>(gn, std::forward<F>(f));
+  }
+  f(std::integral_constant<int, Max>{});
 }
 
 }  // namespace longattn

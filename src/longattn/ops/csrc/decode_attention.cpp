@@ -49,6 +49,7 @@ using longattn::exp_shift_sum;
 using longattn::max_of;
 using longattn::merge_parts;
 using longattn::weighted_rows;
+using longattn::with_heads;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -130,30 +131,6 @@ void weighted_rows_wide(const float* p, int64_t stride, const float* const* rows
 }
 
 #pragma GCC pop_options
-
-// Runtime head count -> template (1 <= gn <= kWideHeads).
-template <template <int> class F, typename... A>
-void with_heads(int64_t gn, A... a) {
-  switch (gn) {
-    case 1: F<1>::run(a...); break;
-    case 2: F<2>::run(a...); break;
-    case 3: F<3>::run(a...); break;
-    case 4: F<4>::run(a...); break;
-    case 5: F<5>::run(a...); break;
-    default: F<6>::run(a...); break;
-  }
-}
-template <int GN>
-struct Scores8Wide {
-  static void run(const float* qs, const float* const* rows, int64_t D, float* s) { scores8_wide<GN>(qs, rows, D, s); }
-};
-template <int GN>
-struct RowsWide {
-  static void run(const float* p, int64_t stride, const float* const* rows, int64_t n, int64_t D, float* o,
-                  int64_t ostride) {
-    weighted_rows_wide<GN>(p, stride, rows, n, D, o, ostride);
-  }
-};
 
 // Passes of at most kWideHeads heads, as even as possible (7 -> 3 + 4, not 6 + 1): pass i
 // covers heads [first(i), first(i + 1)).
@@ -248,7 +225,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
         for (; j + 8 <= n; j += 8)
           for (int64_t i = 0; i < passes.n; ++i) {
             const int64_t g0 = passes.first(i), gn = passes.first(i + 1) - g0;
-            with_heads<Scores8Wide>(gn, static_cast<const float*>(qs.data() + g0 * D), krow.data() + j, D, s8);
+            with_heads<kWideHeads>(gn, [&](auto h) {
+              scores8_wide<decltype(h)::value>(qs.data() + g0 * D, krow.data() + j, D, s8);
+            });
             for (int64_t g = 0; g < gn; ++g)
               for (int r = 0; r < 8; ++r) scores[(g0 + g) * n + j + r] = s8[g * 8 + r];
           }
@@ -273,9 +252,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
         if (wide) {
           for (int64_t i = 0; i < passes.n; ++i) {
             const int64_t g0 = passes.first(i), gn = passes.first(i + 1) - g0;
-            with_heads<RowsWide>(gn, static_cast<const float*>(scores.data() + g0 * n + r0), n,
-                                 static_cast<const float* const*>(vrow.data() + r0), nr, D,
-                                 out + g0 * (D + 2) + 2, D + 2);
+            with_heads<kWideHeads>(gn, [&](auto h) {
+              weighted_rows_wide<decltype(h)::value>(scores.data() + g0 * n + r0, n, vrow.data() + r0, nr, D,
+                                                     out + g0 * (D + 2) + 2, D + 2);
+            });
           }
         } else {
           for (int64_t g = 0; g < G; ++g)

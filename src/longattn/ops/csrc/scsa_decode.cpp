@@ -59,6 +59,7 @@ using longattn::max_of;
 using longattn::merge_parts;
 using longattn::scale_max;
 using longattn::weighted_rows;
+using longattn::with_heads;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kQ8Max = 127.0f;
@@ -127,22 +128,6 @@ void quantize_row(const float* x, int64_t D, int64_t qb, int16_t* ints, float* s
       ints[b * qb + i] = static_cast<int16_t>(std::max(-kQ8Max, std::min(kQ8Max, r)));
     }
     scales[b] = s;
-  }
-}
-
-// Calls f(std::integral_constant<int, GN>) for 1 <= gn <= 8: the tile functions below keep one
-// accumulator register per query head, so the head count must be a compile-time constant.
-template <typename F>
-void with_heads(int64_t gn, F&& f) {
-  switch (gn) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
-    default: f(std::integral_constant<int, 8>{}); break;
   }
 }
 
