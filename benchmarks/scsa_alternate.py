@@ -43,16 +43,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from longattn.cache import KVCache  # noqa: E402
-from longattn.checkpoint import load_checkpoint  # noqa: E402
-from longattn.data import all_books_text  # noqa: E402
 from longattn.host import cpu_description  # noqa: E402
-from longattn.models import build_model  # noqa: E402
 from longattn.ops import native  # noqa: E402
 from longattn.policy import AttentionPolicy  # noqa: E402
 from longattn.sparse import SCSAConfig  # noqa: E402
 from longattn.sparse_policy import build_sparse_policy  # noqa: E402
 from longattn.static_decode import StaticDecoder  # noqa: E402
-from scsa_decode import truncate  # noqa: E402
+from scsa_decode import load_model, truncate  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -102,10 +99,7 @@ def main():
     ap.add_argument("--cache-file", default=None, help="load/save the longest prefix cache here")
     ap.add_argument("--out", default=str(RESULTS / "scsa_alternate.json"))
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    ck = load_checkpoint(args.model)
-    model = build_model(ck.config, ck.state_dict, weights=args.weights)
-    ids = ck.tokenizer(all_books_text())["input_ids"]
+    ck, model, ids = load_model(args)
     contexts = sorted(args.contexts, reverse=True)  # the cache is cut back from the longest
     forms = [False, True] if native.avx512(None) else [False]
     if args.forms != "both":

@@ -45,6 +45,14 @@ from longattn.static_decode import StaticDecoder  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def load_model(args):
+    """Threads set, ``(checkpoint, model in args.weights, the books' token ids)``."""
+    torch.set_num_threads(args.threads)
+    ck = load_checkpoint(args.model)
+    model = build_model(ck.config, ck.state_dict, weights=args.weights)
+    return ck, model, ck.tokenizer(all_books_text())["input_ids"]
+
+
 def truncate(cache: KVCache, n: int) -> None:
     for layer in cache.layers:
         layer.truncate(n)
@@ -124,10 +132,7 @@ def main():
                     help="leave out the eager SCSA arm (with --static-sparse)")
     ap.add_argument("--out", default=str(RESULTS / "scsa_decode.json"))
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    ck = load_checkpoint(args.model)
-    model = build_model(ck.config, ck.state_dict, weights=args.weights)
-    ids = ck.tokenizer(all_books_text())["input_ids"]
+    ck, model, ids = load_model(args)
     dense_pol = AttentionPolicy.from_config(ck.config)
     cache = KVCache(ck.config, 1)
     steps = args.calib + args.timed
