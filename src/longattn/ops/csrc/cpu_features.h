@@ -2,9 +2,10 @@
 //
 // The extension is built for AVX2 + FMA (every x86 CPU the kernels support); some kernels also
 // hold AVX-512 (F/BW/VL/DQ/VNNI) forms compiled in `#pragma GCC target` regions, which may run
-// only where the CPU reports those features. Each such form gives the same bits as its AVX2
-// twin, so the choice changes speed alone; the `avx512` op (cpu_features.cpp) forces either
-// form for tests and benchmarks.
+// only where the CPU reports those features. SCSA's and the dense decode attention's forms give
+// the same bits as their AVX2 twins; the int4 GEMV's sums land in other lanes (last-bit
+// differences, within the bound its tests derive). The `avx512` op (cpu_features.cpp) forces
+// either form for tests and benchmarks.
 #pragma once
 #include <atomic>
 #include <cstdint>
