@@ -28,10 +28,11 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from . import generate as gen_cmd
-    gargs = argparse.Namespace(model=args.model, threads=args.threads, dtype="float32", prompt=None,
-                               prompt_file=None, max_new_tokens=args.max_new_tokens, chat=False,
-                               temperature=0.0, top_k=0, top_p=1.0, seed=0, chunk=512,
-                               policy="checkpoint", window=None, sinks=0, json=False)
+    from .main import build_parser
+    # generate's own parser fills in every option it has (a hand-built Namespace fell behind
+    # when generate gained --compile and --weights, and `make demo` failed)
+    gargs = build_parser().parse_args(["generate", "--model", args.model, "--threads", str(args.threads),
+                                       "--max-new-tokens", str(args.max_new_tokens)])
     print(f"== generate ({args.model}, greedy, built-in prompt)")
     rc = gen_cmd.run(gargs)
     if rc or args.stream_tokens <= 0:
