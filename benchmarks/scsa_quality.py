@@ -17,6 +17,10 @@ Per context L (nested: one dense prefill of the book grows the cache from length
   (c) retrieval (passkey, multi-needle niah_multikey_1, variable tracking vt; lab/tasks.py):
       L-token prompts, needle at L/2 tokens from the end, one exact prefill, then each arm
       decodes greedily (sparse with the calibrated taus, preset); identical answers counted.
+      ``--controls`` adds two arms that open every cluster (tau 0, no tail): f32 packing
+      (SCSA's exact path: only the order of float operations differs from the dense arm) and
+      q8_0 packing (the packing's rounding alone). If rounding alone changes answers, "identical
+      to dense" sits at the noise floor of any different summation, not at SCSA's selection.
 
     python benchmarks/scsa_quality.py --contexts 2048 --steps 16 --free 16 --samples 1   # quick check
     python benchmarks/scsa_quality.py --contexts 4096 8192 16384 32768 --threads 2      # full
@@ -173,6 +177,10 @@ def run_context(model, ck, ids, cache, L, args, dense_pol, progress) -> dict:
     return row
 
 
+# control arm -> packing; both run at tau 0 (every cluster opened, no tail)
+CONTROL_ARMS = {"tau0_f32": "f32", "tau0_q8_0": "q8_0"}
+
+
 def retrieval(model, ck, L, args, taus, progress) -> dict:
     tok = ck.tokenizer
     encode = lambda s: tok(s)["input_ids"]  # noqa: E731
@@ -191,11 +199,14 @@ def retrieval(model, ck, L, args, taus, progress) -> dict:
                 progress(f"L={L} {task} #{s} prefill {min(len(pid) - 1, c + args.chunk)}/{len(pid)}")
             n0 = len(pid) - 1
             answers = {}
-            for arm in ("dense", "sparse"):
+            for arm in ("dense", "sparse") + (tuple(CONTROL_ARMS) if args.controls else ()):
                 pol = dense_pol
                 if arm == "sparse":
                     pol = build_sparse_policy(ck.config, sparse_cfg(args, args.packings[0], 0))
                     preset_taus(pol, ck.config, taus)
+                elif arm in CONTROL_ARMS:  # everything opened: only rounding differs from dense
+                    pol = build_sparse_policy(ck.config, sparse_cfg(args, CONTROL_ARMS[arm], 0))
+                    preset_taus(pol, ck.config, {li: [0.0] * len(t) for li, t in taus.items()})
                 # the last prompt token is a decode step of each arm (sparse from here on)
                 gen = greedy(model, cache, pol, pid[-1], smp.max_new_tokens, f"L={L} {task} #{s} {arm}",
                              progress, stop, lambda out: T.settled(smp, decode(out)))
@@ -205,11 +216,18 @@ def retrieval(model, ck, L, args, taus, progress) -> dict:
             rec = {"task": task, "seed": args.seed + s, "prompt_tokens": len(pid),
                    "needle_distance": smp.needle_distance, "outputs": smp.outputs,
                    "identical": answers["dense"]["tokens"] == answers["sparse"]["tokens"],
+                   **{f"{arm}_identical": answers["dense"]["tokens"] == answers[arm]["tokens"]
+                      for arm in answers if arm in CONTROL_ARMS},
                    **{f"{arm}_{k}": v for arm in answers for k, v in answers[arm].items() if k != "tokens"}}
             records.append(rec)
             progress.done(f"L={L} {task} #{s}: identical {rec['identical']}, score dense {rec['dense_score']} "
-                          f"sparse {rec['sparse_score']}")
-    return {"identical": sum(r["identical"] for r in records), "prompts": len(records), "records": records}
+                          f"sparse {rec['sparse_score']}" + "".join(
+                              f", {arm} identical {rec[arm + '_identical']} score {rec[arm + '_score']}"
+                              for arm in answers if arm in CONTROL_ARMS))
+    summary = {"identical": sum(r["identical"] for r in records), "prompts": len(records)}
+    for arm in CONTROL_ARMS if args.controls else ():
+        summary[f"{arm}_identical"] = sum(r[f"{arm}_identical"] for r in records)
+    return {**summary, "records": records}
 
 
 def main() -> int:
@@ -228,6 +246,8 @@ def main() -> int:
     ap.add_argument("--tasks", nargs="*", default=list(RETRIEVAL_TASKS))
     ap.add_argument("--samples", type=int, default=2, help="retrieval prompts per task")
     ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--controls", action="store_true",
+                    help="retrieval: two more arms at tau 0 (f32 and q8_0 packing), rounding only")
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(RESULTS / "scsa_quality.json"))
@@ -267,7 +287,9 @@ def main() -> int:
         f = r["free_running"]
         print(f"L={r['context']:>6} free-running {f['tokens']} tokens: identical {f['identical']}, "
               f"NLL delta {f['nll_delta']:+.4f}; retrieval identical {r['retrieval']['identical']}/"
-              f"{r['retrieval']['prompts']}")
+              f"{r['retrieval']['prompts']}" + "".join(
+                  f", {arm} {r['retrieval'][arm + '_identical']}/{r['retrieval']['prompts']}"
+                  for arm in CONTROL_ARMS if arm + "_identical" in r["retrieval"]))
     print(f"wrote {args.out}")
     return 0
 
