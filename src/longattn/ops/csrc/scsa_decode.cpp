@@ -149,14 +149,22 @@ inline void store_tile_scores(const __m256* acc, int64_t n, float* s, int64_t st
   }
 }
 
-// w[(b * 32 + r) * GN + g] = p[g * stride + r] * vscale[r, b]: the per-head, per-block weights
-// of n <= 32 value rows.
+// w[(b * GN + g) * 32 + r] = p[g * stride + r] * vscale[r, b]: the per-head, per-block weights
+// of n <= 32 value rows. Rows run contiguously per head so the products vectorise (a layout
+// with the heads innermost took a quarter of the values phase in scalar multiplies); the
+// products, and so the bits, are the same in any layout.
 template <int GN>
 inline void tile_value_weights(const float* p, int64_t stride, const float* vscale, int64_t n, int64_t nb,
                                float* w) {
-  for (int64_t b = 0; b < nb; ++b)
-    for (int64_t r = 0; r < n; ++r)
-      for (int g = 0; g < GN; ++g) w[(b * 32 + r) * GN + g] = p[g * stride + r] * vscale[r * nb + b];
+  float sc[32];
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t r = 0; r < n; ++r) sc[r] = vscale[r * nb + b];
+    for (int g = 0; g < GN; ++g) {
+      const float* pg = p + g * stride;
+      float* wg = w + (b * GN + g) * 32;
+      for (int64_t r = 0; r < n; ++r) wg[r] = pg[r] * sc[r];
+    }
+  }
 }
 
 // Raw scores (no softmax scale) of GN quantized queries with one tile of n <= 8 key rows:
@@ -195,7 +203,7 @@ void q8_tile_scores(const int8_t* tile, const float* kscale, int64_t n, const in
 // o_g[0:D] += sum_r p[g * stride + r] * vscale[r, b(d)] * vi[r, d] for GN heads over n <= 32
 // value rows (row-major int8 [n, D], one scale per block of qb values): the tile is summed
 // apart, then added (see tiled_weighted_rows). Each int8 row slice is widened once for all
-// heads; w [nb, 32, GN] is scratch for the per-head, per-block weights p * scale.
+// heads; w [nb, GN, 32] is scratch for the per-head, per-block weights p * scale.
 template <int GN>
 void q8_tile_values(const int8_t* vrows, const float* vscale, int64_t n, const float* p, int64_t stride,
                     int64_t D, int64_t qb, float* w, float* const* o) {
@@ -207,7 +215,7 @@ void q8_tile_values(const int8_t* vrows, const float* vscale, int64_t n, const f
     for (int64_t r = 0; r < n; ++r) {
       const __m256 vv = _mm256_cvtepi32_ps(
           _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(vrows + r * D + d0))));
-      for (int g = 0; g < GN; ++g) acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(wb[r * GN + g]), vv, acc[g]);
+      for (int g = 0; g < GN; ++g) acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(wb[g * 32 + r]), vv, acc[g]);
     }
     for (int g = 0; g < GN; ++g)
       _mm256_storeu_ps(o[g] + d0, _mm256_add_ps(_mm256_loadu_ps(o[g] + d0), acc[g]));
@@ -281,7 +289,7 @@ void q8_tile_values_512(const int8_t* vrows, const float* vscale, int64_t n, con
     for (int64_t r = 0; r < n; ++r) {
       const __m512 vv = _mm512_cvtepi32_ps(
           _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vrows + r * D + d0))));
-      for (int g = 0; g < GN; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(wb[r * GN + g]), vv, acc[g]);
+      for (int g = 0; g < GN; ++g) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(wb[g * 32 + r]), vv, acc[g]);
     }
     for (int g = 0; g < GN; ++g)
       _mm512_storeu_ps(o[g] + d0, _mm512_add_ps(_mm512_loadu_ps(o[g] + d0), acc[g]));
@@ -551,14 +559,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
   }
   const int64_t tile_bytes = tiles * 8 * D;
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores, w(D / qb * 32 * 8);
+    // the scores of a run (G x rows, hundreds of KB at 32K) outlive the call, one buffer per
+    // thread: allocating them anew each call went through malloc's slow path every layer
+    static thread_local std::vector<float> scores;
+    std::vector<float> w(D / qb * 32 * 8);
     for (int64_t it = first[t0]; it < first[t1]; ++it) {
       const Item& item = items[it];
       const int64_t h = item.h;
       const int64_t* ids = lists[h].data();
       int64_t R = 0;
       for (int64_t j = item.c0; j < item.c1; ++j) R += cntp[ids[j]];
-      scores.resize(G * R);
+      if (scores.size() < static_cast<size_t>(G * R)) scores.resize(G * R);
       const int8_t* kth = ktp + h * Cs * tile_bytes;
       const float *ksh = ksp + h * Cs * cs * nb, *vsh = vsp + h * Cs * cs * nb;
       const int8_t* vih = vip + h * Cs * cs * D;
