@@ -17,6 +17,9 @@ Per context L (nested: one dense prefill of the book grows the cache from length
   (c) retrieval (passkey, multi-needle niah_multikey_1, variable tracking vt; lab/tasks.py):
       L-token prompts, needle at L/2 tokens from the end, one exact prefill, then each arm
       decodes greedily (sparse with the calibrated taus, preset); identical answers counted.
+      ``--retrieval-calib prompt``: SCSA calibrates on the prompt itself instead, its last
+      --calib tokens fed as decode steps (in every arm, so the caches stay alike), as a
+      deployment would calibrate on the context it serves rather than on other text.
       ``--controls`` adds two arms that open every cluster (tau 0, no tail): f32 packing
       (SCSA's exact path: only the order of float operations differs from the dense arm) and
       q8_0 packing (the packing's rounding alone). If rounding alone changes answers, "identical
@@ -193,20 +196,27 @@ def retrieval(model, ck, L, args, taus, progress) -> dict:
             smp = T.make_sample(task, encode, max(1, L // 2), L, args.seed + s)
             pid = encode(smp.prompt)
             cache = KVCache(ck.config, 1)
-            for c in range(0, len(pid) - 1, args.chunk):  # all but the last prompt token, exact
-                model(torch.tensor([pid[c:min(len(pid) - 1, c + args.chunk)]]), cache=cache, policy=dense_pol,
-                      logits="none")
-                progress(f"L={L} {task} #{s} prefill {min(len(pid) - 1, c + args.chunk)}/{len(pid)}")
-            n0 = len(pid) - 1
+            # the prompt's last `fed` tokens are decode steps of every arm: one (its last), or
+            # with --retrieval-calib prompt the calibration steps too
+            fed = 1 + (args.calib if args.retrieval_calib == "prompt" else 0)
+            n0 = len(pid) - fed
+            for c in range(0, n0, args.chunk):  # the rest of the prompt, exact
+                model(torch.tensor([pid[c:min(n0, c + args.chunk)]]), cache=cache, policy=dense_pol, logits="none")
+                progress(f"L={L} {task} #{s} prefill {min(n0, c + args.chunk)}/{len(pid)}")
             answers = {}
             for arm in ("dense", "sparse") + (tuple(CONTROL_ARMS) if args.controls else ()):
                 pol = dense_pol
-                if arm == "sparse":
+                if arm == "sparse" and args.retrieval_calib == "prompt":  # calibrates on this prompt
+                    pol = build_sparse_policy(ck.config, sparse_cfg(args, args.packings[0], args.calib))
+                elif arm == "sparse":
                     pol = build_sparse_policy(ck.config, sparse_cfg(args, args.packings[0], 0))
                     preset_taus(pol, ck.config, taus)
                 elif arm in CONTROL_ARMS:  # everything opened: only rounding differs from dense
                     pol = build_sparse_policy(ck.config, sparse_cfg(args, CONTROL_ARMS[arm], 0))
                     preset_taus(pol, ck.config, {li: [0.0] * len(t) for li, t in taus.items()})
+                for i, t in enumerate(pid[n0:-1]):  # calibration steps (exact attention in every arm)
+                    step(model, cache, pol, t)
+                    progress(f"L={L} {task} #{s} {arm} prompt step {i + 1}/{fed - 1}")
                 # the last prompt token is a decode step of each arm (sparse from here on)
                 gen = greedy(model, cache, pol, pid[-1], smp.max_new_tokens, f"L={L} {task} #{s} {arm}",
                              progress, stop, lambda out: T.settled(smp, decode(out)))
@@ -248,6 +258,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--controls", action="store_true",
                     help="retrieval: two more arms at tau 0 (f32 and q8_0 packing), rounding only")
+    ap.add_argument("--retrieval-calib", choices=["book", "prompt"], default="book",
+                    help="retrieval: SCSA's taus from the book's calibration (preset), or calibrated on the "
+                         "prompt itself (its last --calib tokens fed as decode steps in every arm)")
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(RESULTS / "scsa_quality.json"))
@@ -266,6 +279,7 @@ def main() -> int:
     cache = KVCache(ck.config, 1)
     out = {"model": args.model, "dtype": "bfloat16", "metric": args.metric, "cluster_size": args.cluster_size,
            "tolerances": args.tolerances, "packings": args.packings, "min_context": args.min_context,
+           "retrieval_calib": args.retrieval_calib, "controls": args.controls,
            "opened_fraction_definition": "opened_rows / (calls * kv_heads * cache length), after calibration",
            "rows": []}
     filled = 0
