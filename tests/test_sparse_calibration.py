@@ -66,6 +66,8 @@ def test_calibrator_choice_rules():
         cal.record([table])
     assert cal.done
     assert torch.allclose(cal.choose(0.07), torch.tensor([0.2, 0.0, 0.4]))
+    assert cal.unmet().tolist() == [False, True, False]  # head 1: no tau meets 0.05
+    assert cal.unmet(0.5).tolist() == [False, False, False]
 
 
 def test_loaded_taus_skip_calibration(decode, tmp_path):

@@ -117,6 +117,14 @@ def test_taus_round_trip_and_merge(tmp_path):
     c.load_taus(path)
     assert c.calibrated
     assert torch.equal(c.taus, torch.tensor([0.04, 0.08]))
+    # None = the head attends exactly; it round-trips as JSON null
+    a.set_taus([None, 0.02])
+    assert a.exact_heads.tolist() == [True, False] and a.tau_values() == [None, 0.019999999552965164]
+    a.save_taus(path)
+    assert json.loads(path.read_text())["0:0"] is None
+    d = SCSALayer(SCSAConfig(), num_heads=4, num_kv_heads=2, head_dim=16, layer_index=0)
+    d.load_taus(path)
+    assert d.exact_heads.tolist() == [True, False] and d.calibrated
 
 
 def test_unwritable_tau_file_fails_clearly(tmp_path):

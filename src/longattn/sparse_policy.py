@@ -38,6 +38,9 @@ class SparseOp:
         # SCSA reads the append-only cache slot i = i-th token; padding slots would break that.
         if bool((k_pos < 0).any()):
             raise LongattnError("the sparse policy needs unpadded streams (one stream, or equal lengths)")
+        if self.scsa.runs_exact:  # no tau meets the tolerance here: the dense layer's own op
+            self.scsa.count_exact_call(B, k.shape[2])
+            return self.dense(q, q_pos, k, v, k_pos, scale, softcap, layer, cache)
         return self.scsa.attend(q, k, v, scale)
 
 
@@ -80,8 +83,9 @@ def sparse_ops(policy: AttentionPolicy) -> list:
 
 
 def policy_taus(policy: AttentionPolicy) -> dict:
-    """``{layer: [tau per KV head]}`` of every sparse layer that has run a decode step."""
-    return {op.layer_index: op.scsa.taus.tolist() for op in sparse_ops(policy) if op.scsa is not None}
+    """``{layer: [tau per KV head]}`` of every sparse layer that has run a decode step
+    (``None`` for a head that attends exactly)."""
+    return {op.layer_index: op.scsa.tau_values() for op in sparse_ops(policy) if op.scsa is not None}
 
 
 def retune(policy: AttentionPolicy, tolerance: float) -> dict:
@@ -91,7 +95,7 @@ def retune(policy: AttentionPolicy, tolerance: float) -> dict:
         raise LongattnError(f"tolerance must be > 0, got {tolerance}")
     for op in sparse_ops(policy):
         if op.scsa is not None and op.scsa.calibrator.samples:
-            op.scsa.set_taus(op.scsa.calibrator.choose(op.cfg.tau_default, tolerance))
+            op.scsa.set_taus(op.scsa.choose_taus(tolerance))
     return policy_taus(policy)
 
 
@@ -110,7 +114,7 @@ def save_taus(policy: AttentionPolicy, path) -> None:
     taus = {}
     for op in sparse_ops(policy):
         if op.scsa is not None:
-            for h, t in enumerate(op.scsa.taus.tolist()):
+            for h, t in enumerate(op.scsa.tau_values()):
                 taus[f"{op.layer_index}:{h}"] = t
     with open(path, "w") as f:
         json.dump(taus, f, indent=1)

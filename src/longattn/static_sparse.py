@@ -85,11 +85,14 @@ def scsa_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
         k.select(0, b).select(1, n).copy_(k_new.select(0, b).select(1, 0))
         v.select(0, b).select(1, n).copy_(v_new.select(0, b).select(1, 0))
         kb, vb = k.narrow(0, b, 1).narrow(2, 0, n + 1), v.narrow(0, b, 1).narrow(2, 0, n + 1)
-        if n + 1 < state.cfg.min_context:
+        sc = None if n + 1 < state.cfg.min_context else state.layer(layer, b)
+        if sc is None or sc.runs_exact:  # short cache, or no tau meets the tolerance here
+            if sc is not None:
+                sc.count_exact_call(1, n + 1)
             pos = torch.arange(n + 1).unsqueeze(0)
             outs.append(state.dense(qb, pos[:, n:], kb, vb, pos, scale))
         else:
-            outs.append(state.layer(layer, b).attend(qb, kb, vb, scale))
+            outs.append(sc.attend(qb, kb, vb, scale))
     # one stream (the common case) returns its output as it is, without a copy
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 

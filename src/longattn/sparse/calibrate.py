@@ -12,6 +12,9 @@ which on real models is small for heads that mostly rest on a sink token.
 Then each head freezes the largest tau whose median error over the samples meets the tolerance
 (the smallest grid value when none does; ``tau_default`` when the head never saw a sample). The
 samples are kept, so ``choose(tolerance=...)`` re-picks for another tolerance without rerunning.
+``unmet`` names the heads for which no tau meets it: on Qwen2.5-0.5B's first layer the q8_0
+packing alone (tau = 0, every cluster opened) leaves 15-41% output error against a 2.5%
+tolerance, so such a head cannot be served by the sparse read at all (SCSAConfig.exact_when_unmet).
 """
 
 from __future__ import annotations
@@ -58,6 +61,13 @@ class Calibrator:
         if not self.samples:
             return torch.full((len(self.grid), self.hkv), float("nan"), dtype=torch.float64)
         return torch.stack(self.samples).median(0).values
+
+    def unmet(self, tolerance: float | None = None) -> torch.Tensor:
+        """bool ``[Hkv]``: heads whose median error misses the tolerance at every grid tau
+        (False for heads without samples)."""
+        if not self.samples:
+            return torch.zeros(self.hkv, dtype=torch.bool)
+        return ~(self.medians() <= (self.tolerance if tolerance is None else tolerance)).any(0)
 
     def choose(self, tau_default: float, tolerance: float | None = None) -> torch.Tensor:
         """Frozen tau per KV head, float32 ``[Hkv]`` (at ``tolerance``, default the configured one)."""

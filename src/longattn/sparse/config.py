@@ -59,6 +59,11 @@ class SCSAConfig:
             (``longattn_cpu::scsa_decode``) where it is built; False keeps the PyTorch ops
             (the reference the kernel is tested against, and an A/B arm for benchmarks).
         min_context: below this many cached tokens the layer runs dense, exactly.
+        exact_when_unmet: a layer with a KV head for which no tau of the grid meets the
+            tolerance (not even tau = 0: the packing's rounding alone is too coarse for that
+            head) attends exactly after calibration, instead of running at the smallest tau
+            and silently missing its tolerance. One such head makes the whole layer exact (one
+            native call serves every head of a layer).
     """
 
     cluster_size: int = 128
@@ -79,6 +84,7 @@ class SCSAConfig:
     tree_order: str = "similar"
     serial: bool = False
     native: bool = True
+    exact_when_unmet: bool = True
     min_context: int = 8192
 
     def __post_init__(self) -> None:

@@ -61,6 +61,8 @@ class SCSALayer:
         self.layer_index = layer_index
         self.counters = {name: 0 for name in COUNTER_NAMES}
         self.taus = torch.full((num_kv_heads,), float(cfg.tau_default))
+        # heads that must attend exactly (no tau meets the tolerance; see exact_when_unmet)
+        self.exact_heads = torch.zeros(num_kv_heads, dtype=torch.bool)
         self.calibrated = cfg.calib_steps == 0
         self.calibrator = Calibrator(cfg.tau_grid, cfg.calib_steps, cfg.tolerance, num_kv_heads)
         self.indexes: list[ClusterIndex] = []
@@ -95,19 +97,56 @@ class SCSALayer:
             return self._dense(q, k, v, scale)
         if not self.calibrated:
             return self._calibration_call(q, k, v, scale)
+        if self.runs_exact:  # (the model's ops route these calls to their own dense op first)
+            self.counters["exact_rows"] += B * self.num_kv_heads * N
+            return self._dense(q, k, v, scale)
         rows = [self._row(b, q[b, :, 0], k[b], v[b], scale, self.taus) for b in range(B)]
         out = rows[0].view(1, H, 1, D) if B == 1 else torch.stack(rows).view(B, H, 1, D)
         return out.to(q.dtype)
 
     def set_taus(self, taus) -> None:
-        """Freeze the thresholds (one per KV head, or one for all) and end calibration."""
-        t = torch.as_tensor(taus, dtype=torch.float32).flatten()
-        if t.numel() == 1:
-            t = t.expand(self.num_kv_heads).clone()
+        """Freeze the thresholds (one per KV head, or one for all) and end calibration.
+
+        ``None`` for a head means "attend exactly" (no tau met the tolerance; see
+        ``SCSAConfig.exact_when_unmet``): the layer then runs dense.
+        """
+        if torch.is_tensor(taus):
+            taus = taus.flatten().tolist()
+        elif not isinstance(taus, (list, tuple)):
+            taus = [taus]
+        if len(taus) == 1:
+            taus = list(taus) * self.num_kv_heads
+        exact = [t is None for t in taus]
+        t = torch.tensor([0.0 if x is None else x for x in taus], dtype=torch.float32)
         if t.numel() != self.num_kv_heads or not bool(((t >= 0) & (t <= 1)).all()):
-            raise LongattnError(f"set_taus: need {self.num_kv_heads} values in [0, 1], got {t.tolist()}")
-        self.taus = t.clone()
+            raise LongattnError(f"set_taus: need {self.num_kv_heads} values in [0, 1] (or None: exact), "
+                                f"got {taus}")
+        self.taus = t
+        self.exact_heads = torch.tensor(exact, dtype=torch.bool)
         self.calibrated = True
+
+    @property
+    def runs_exact(self) -> bool:
+        """Calibrated with a head that no tau serves: every call attends exactly."""
+        return self.calibrated and bool(self.exact_heads.any())
+
+    def count_exact_call(self, batch: int, n: int) -> None:
+        """Count a call that the caller answered with its own dense op (``runs_exact``), so
+        the counters still see every call and every exact row."""
+        self.counters["calls"] += 1
+        self.counters["exact_rows"] += batch * self.num_kv_heads * n
+
+    def tau_values(self) -> list:
+        """Frozen taus per KV head, ``None`` where the head attends exactly."""
+        return [None if e else t for t, e in zip(self.taus.tolist(), self.exact_heads.tolist())]
+
+    def choose_taus(self, tolerance: float | None = None) -> list:
+        """The calibrated choice per KV head at ``tolerance`` (default the configured one):
+        a tau, or ``None`` where none meets it and ``exact_when_unmet`` is on."""
+        taus = self.calibrator.choose(self.cfg.tau_default, tolerance).tolist()
+        if not self.cfg.exact_when_unmet:
+            return taus
+        return [None if u else t for t, u in zip(taus, self.calibrator.unmet(tolerance).tolist())]
 
     def save_taus(self, path) -> None:
         """Merge this layer's taus into the JSON file ``{"layer:head": tau}`` (atomic write)."""
@@ -115,8 +154,8 @@ class SCSALayer:
         data = {}
         if os.path.exists(path):
             data = _read_taus(path)
-        for h, t in enumerate(self.taus.tolist()):
-            data[f"{self.layer_index}:{h}"] = t
+        for h, t in enumerate(self.tau_values()):
+            data[f"{self.layer_index}:{h}"] = t  # None (JSON null): the head attends exactly
         folder = os.path.dirname(os.path.abspath(path))
         tmp = None
         try:
@@ -321,8 +360,7 @@ class SCSALayer:
             tables.append(torch.stack(errs))  # [T, Hkv]
         self.calibrator.record(tables)
         if self.calibrator.done:
-            self.taus = self.calibrator.choose(self.cfg.tau_default)
-            self.calibrated = True
+            self.set_taus(self.choose_taus())
         return out
 
 
@@ -340,8 +378,9 @@ def _read_taus(path: str) -> dict:
     except (OSError, ValueError) as e:
         raise LongattnError(f"tau file {path} is not readable JSON ({e}); "
                             f"delete it and recalibrate") from None
-    if not isinstance(data, dict) or not all(isinstance(x, (int, float)) for x in data.values()):
-        raise LongattnError(f"tau file {path} must map \"layer:head\" to numbers; delete it and recalibrate")
+    if not isinstance(data, dict) or not all(x is None or isinstance(x, (int, float)) for x in data.values()):
+        raise LongattnError(f"tau file {path} must map \"layer:head\" to numbers (or null: exact); "
+                            f"delete it and recalibrate")
     return data
 
 
