@@ -175,7 +175,10 @@ def main():
                    # the cache grows by one row a step: its mean length over the judged calls
                    "opened_fraction": opened / max(1, sparse_calls * ck.config.num_kv_heads
                                                    * (L + args.calib + len(judged) / 2)),
-                   "tau_median": statistics.median(t for sc in layers for t in sc.taus.tolist())}
+                   # heads that attend exactly (no tau meets the tolerance) hold no tau
+                   "tau_median": statistics.median([t for sc in layers for t in sc.tau_values() if t is not None]
+                                                   or [0.0]),
+                   "exact_heads": sum(t is None for sc in layers for t in sc.tau_values())}
             msg = f"L={L:>6} {arm}"
             for f in forms:
                 tag = "avx512" if f else "avx2"

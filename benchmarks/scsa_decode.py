@@ -159,7 +159,7 @@ def main():
             truncate(cache, L)
             s = statistics.median(s_times[args.calib:])
             layers = [op.scsa for op in sparse_ops(sp_pol)]
-            taus = [t for sc in layers for t in sc.taus.tolist()]
+            taus = [t for sc in layers for t in sc.tau_values() if t is not None] or [0.0]  # None: exact head
             row.update(sparse_tok_s=1 / s, speedup=d / s, agreement=sum(agree) / len(agree),
                        counters=counters_of(layers), tau_median=statistics.median(taus), tau_min=min(taus),
                        sparse_step_p90_s=sorted(s_times[args.calib:])[int(0.9 * (n_steps - args.calib))])
@@ -173,7 +173,7 @@ def main():
             agree, ss_times = run_static(sdec, cache, toks, args.calib)
             ss = statistics.median(ss_times[args.calib:])
             layers = list(sdec.sparse.layers.values())
-            taus = [t for sc in layers for t in sc.taus.tolist()]
+            taus = [t for sc in layers for t in sc.tau_values() if t is not None] or [0.0]  # None: exact head
             row.update(static_sparse_tok_s=1 / ss, static_sparse_agreement=sum(agree) / len(agree),
                        static_sparse_counters=counters_of(layers), static_sparse_tau_median=statistics.median(taus),
                        static_sparse_step_p90_s=sorted(ss_times[args.calib:])[int(0.9 * (n_steps - args.calib))],

@@ -142,11 +142,12 @@ def run_context(model, ck, ids, cache, L, args, dense_pol, progress) -> dict:
                 progress(f"L={L} {packing} tol {tol} {i + 1}/{args.steps} agree {sum(agree)}/{len(agree)}")
             truncate(cache, Lc)
             frac = opened_fraction(before, counters(pol), kv, ctx_sum)
-            flat = [t for li in sorted(taus) for t in taus[li]]
+            flat = [t for li in sorted(taus) for t in taus[li] if t is not None] or [0.0]  # None: exact head
             row["sweep"].append({"packing": packing, "tolerance": tol, "agreement": sum(agree) / len(agree),
                                  "opened_fraction": frac["overall"],
                                  "opened_fraction_per_layer": [frac["per_layer"][li] for li in sorted(frac["per_layer"])],
-                                 "tau_median": sorted(flat)[len(flat) // 2]})
+                                 "tau_median": sorted(flat)[len(flat) // 2],
+                                 "exact_heads": sum(t is None for li in taus for t in taus[li])})
             row["taus"][f"{packing}@{tol}"] = taus
             progress.done(f"L={L} {packing} tol {tol}: agreement {sum(agree)}/{len(agree)}, "
                           f"opened {100 * frac['overall']:.1f}%")
