@@ -84,7 +84,9 @@ class SCSALayer:
         N = k.shape[2]
         self.counters["calls"] += 1
         self._last = []
-        if N < self.cfg.min_context:
+        # short caches, and layers no tau serves (the model's ops route those to their own dense
+        # op first), attend exactly without maintaining an index they would never read
+        if N < self.cfg.min_context or self.runs_exact:
             self.counters["exact_rows"] += B * self.num_kv_heads * N
             return self._dense(q, k, v, scale)
         if len(self.indexes) != B:
@@ -97,9 +99,6 @@ class SCSALayer:
             return self._dense(q, k, v, scale)
         if not self.calibrated:
             return self._calibration_call(q, k, v, scale)
-        if self.runs_exact:  # (the model's ops route these calls to their own dense op first)
-            self.counters["exact_rows"] += B * self.num_kv_heads * N
-            return self._dense(q, k, v, scale)
         rows = [self._row(b, q[b, :, 0], k[b], v[b], scale, self.taus) for b in range(B)]
         out = rows[0].view(1, H, 1, D) if B == 1 else torch.stack(rows).view(B, H, 1, D)
         return out.to(q.dtype)
