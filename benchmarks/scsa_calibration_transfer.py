@@ -42,7 +42,6 @@ from longattn.models import build_model  # noqa: E402
 from longattn.policy import AttentionPolicy  # noqa: E402
 from longattn.sparse import SCSAConfig  # noqa: E402
 from longattn.sparse.calibrate import group_error  # noqa: E402
-from longattn.sparse.kernel import Selection, needed  # noqa: E402
 from longattn.sparse.layer import SCSALayer  # noqa: E402
 from longattn.sparse_policy import build_sparse_policy, preset_taus, retune  # noqa: E402
 from scsa_quality import RESULTS, step, truncate  # noqa: E402
@@ -74,14 +73,10 @@ class CallChecker:
         err = group_error(out[0, :, 0].float().view(shape), exact, "group").tolist()
         index = layer.indexes[0]
         prep = layer._prepare(index, q[0, :, 0], k[0], v[0], scale)
-        grid = layer.calibrator.grid.float()
-        masks = needed(prep["est"], prep["log_exact"], grid.unsqueeze(1).expand(-1, layer.num_kv_heads))
-        need = [0.0] * layer.num_kv_heads
-        for tau, mask in zip(grid.tolist(), masks):
-            o = layer._output(index, prep, Selection(mask, None, ~mask, 0), prep["tail"], index.live_vmean, scale)
-            for h, e in enumerate(group_error(o, exact, "group").tolist()):
-                if e <= self.tolerance:
-                    need[h] = max(need[h], tau)
+        table = layer.replay_errors(index, prep, exact, scale)  # [T, Hkv], the layer's own replay
+        grid = layer.calibrator.grid.tolist()
+        need = [max([t for t, e in zip(grid, table[:, h].tolist()) if e <= self.tolerance], default=0.0)
+                for h in range(layer.num_kv_heads)]
         self.records.append({"text": self.tag, "layer": layer.layer_index, "error": err,
                              "tau": layer.taus.tolist(), "needed_tau": need})
 

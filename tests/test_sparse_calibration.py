@@ -141,3 +141,24 @@ def test_choose_at_another_tolerance_equals_calibrating_at_it(decode):
         other = SCSALayer(small_cfg(tolerance=tol), H, HKV, D)
         run(other, decode)
         assert torch.equal(base.calibrator.choose(base.cfg.tau_default, tol), other.taus)
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_replay_errors_equal_one_sparse_output_per_tau(decode, hierarchical):
+    # replay_errors shares one output among taus that open the same clusters; each row must
+    # still equal the error of the sparse output computed at that tau on its own
+    layer = SCSALayer(small_cfg(hierarchical=hierarchical), H, HKV, D)
+    q, k, v = decode[-1]
+    layer.attend(q, k, v, D ** -0.5)  # builds the index (a calibration call)
+    index = layer.indexes[0]
+    prep = layer._prepare(index, q[0, :, 0], k[0], v[0], D ** -0.5)
+    o_exact = F.scaled_dot_product_attention(q, k, v, scale=D ** -0.5, enable_gqa=True)[0, :, 0]
+    o_exact = o_exact.view(HKV, H // HKV, D)
+    table = layer.replay_errors(index, prep, o_exact, D ** -0.5)
+    grid = layer.calibrator.grid.float()
+    assert table.shape == (len(grid), HKV)
+    for row, tau in zip(table, grid):
+        o_tau, _ = layer._sparse(index, prep, D ** -0.5, tau.expand(HKV))
+        assert torch.equal(row, group_error(o_tau, o_exact, layer.cfg.calib_metric))
+    assert torch.equal(layer.calibrator.samples[0], table)  # what the calibration call recorded
+    assert float(table[0].max()) < float(table[-1].max())  # tau 0 is exact up to rounding, the largest is not

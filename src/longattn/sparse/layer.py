@@ -328,35 +328,46 @@ class SCSALayer:
         sel = Selection(opened, None, None, self.num_kv_heads * M)  # flat: tails = ~opened (see _accounting)
         return out.view(self.num_kv_heads, self.group, self.head_dim), sel, int(rows)
 
+    def replay_errors(self, index: ClusterIndex, prep: dict, o_exact: torch.Tensor, scale: float) -> torch.Tensor:
+        """Replay the stop rule at every tau of the calibration grid for one row.
+
+        Args:
+            index: the row's cluster index; prep: ``_prepare``'s quantities for the call;
+            o_exact: float32 ``[Hkv, g, D]``, the call's exact output.
+        Returns:
+            float64 ``[T, Hkv]``: the sparse output's error (``cfg.calib_metric``) at each tau.
+        """
+        grid = self.calibrator.grid.float()
+        errs = []
+        if self.cfg.hierarchical:
+            for tau in grid:
+                o_tau, _ = self._sparse(index, prep, scale, tau.expand(self.num_kv_heads))
+                errs.append(group_error(o_tau, o_exact, self.cfg.calib_metric))  # [Hkv]
+            return torch.stack(errs)
+        # one sort for the whole grid; equal selections share one output
+        opened = needed(prep["est"], prep["log_exact"], grid.unsqueeze(1).expand(-1, self.num_kv_heads))
+        last, err = None, None
+        for mask in opened:  # [Hkv, M] per tau
+            if last is None or not torch.equal(mask, last):
+                sel = Selection(mask, None, ~mask, 0)
+                o_tau = self._output(index, prep, sel, prep["tail"], index.live_vmean, scale)
+                err = group_error(o_tau, o_exact, self.cfg.calib_metric)  # [Hkv]
+                last = mask
+            errs.append(err)
+        return torch.stack(errs)
+
     def _calibration_call(self, q, k, v, scale):
         """Exact output; replays every tau of the grid and records the errors."""
         out = self._dense(q, k, v, scale)
         B = q.shape[0]
         self.counters["exact_rows"] += B * self.num_kv_heads * k.shape[2]
-        grid = self.calibrator.grid.float()
         tables = []
         for b, index in enumerate(self.indexes):
             if index.num_clusters == 0:
                 continue
             o_exact = out[b, :, 0].float().view(self.num_kv_heads, self.group, self.head_dim)
             prep = self._prepare(index, q[b, :, 0], k[b], v[b], scale)
-            errs = []
-            if self.cfg.hierarchical:
-                for tau in grid:
-                    o_tau, _ = self._sparse(index, prep, scale, tau.expand(self.num_kv_heads))
-                    errs.append(group_error(o_tau, o_exact, self.cfg.calib_metric))  # [Hkv]
-            else:  # one sort for the whole grid; equal selections share one output
-                taus = grid.unsqueeze(1).expand(-1, self.num_kv_heads)  # [T, Hkv]
-                opened = needed(prep["est"], prep["log_exact"], taus)  # [T, Hkv, M]
-                last, err = None, None
-                for mask in opened:  # [Hkv, M] per tau
-                    if last is None or not torch.equal(mask, last):
-                        sel = Selection(mask, None, ~mask, 0)
-                        o_tau = self._output(index, prep, sel, prep["tail"], index.live_vmean, scale)
-                        err = group_error(o_tau, o_exact, self.cfg.calib_metric)  # [Hkv]
-                        last = mask
-                    errs.append(err)
-            tables.append(torch.stack(errs))  # [T, Hkv]
+            tables.append(self.replay_errors(index, prep, o_exact, scale))
         self.calibrator.record(tables)
         if self.calibrator.done:
             self.set_taus(self.choose_taus())
