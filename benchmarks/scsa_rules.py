@@ -22,6 +22,10 @@ keys read from opened clusters.
   sub_priority     clusters ordered by the sub-clusters' first-cumulant mass, tails as sub_tails
   bound_stop       read_corrected with the Cauchy-Schwarz upper bound a + log m + beta |q| r as the
                    estimate (the uncaptured fraction is then guaranteed below tau)
+  current_f32      current, with opened clusters read in float32 (the baseline of the next rule)
+  outliers_8       each cluster's 8 keys farthest from its centroid are read exactly on every call
+                   (like the sink rows); the cluster is summarised, ranked and tailed without them;
+                   float32 reads; its opened fraction counts those always-read rows too
 
 Reported per rule: median / p90 error and mean opened fraction per tau, on book and on vt calls;
 and a transfer check as SCSA would run it: each KV head's tau calibrated on the first ``--calib``
@@ -56,16 +60,17 @@ from longattn.models import build_model  # noqa: E402
 from longattn.policy import AttentionPolicy  # noqa: E402
 from longattn.sparse import SCSAConfig  # noqa: E402
 from longattn.sparse.calibrate import group_error  # noqa: E402
-from longattn.sparse.clustering import split_block  # noqa: E402
+from longattn.sparse.clustering import split_block, summarize  # noqa: E402
 from longattn.sparse.index import ClusterIndex  # noqa: E402
-from longattn.sparse.kernel import NEG_INF, Selection, needed  # noqa: E402
+from longattn.sparse.kernel import NEG_INF, Selection, cluster_scores, needed  # noqa: E402
 from longattn.sparse.layer import SCSALayer  # noqa: E402
 from longattn.sparse_policy import build_sparse_policy  # noqa: E402
 from scsa_quality import RESULTS, step  # noqa: E402
 
 RULES = ("current", "read_corrected", "oracle_order", "true_tail_mass", "sub_tails", "sub_priority",
-         "bound_stop")
+         "bound_stop", "current_f32", "outliers_8")
 SUB = 32  # sub-cluster size for the sub_* rules
+OUTLIERS = 8  # keys per cluster read exactly by outliers_8
 
 
 # --- recording ---------------------------------------------------------------------------------
@@ -144,6 +149,49 @@ def sub_clusters(index: ClusterIndex, k: torch.Tensor, v: torch.Tensor):
     return cen, vm, lc, S
 
 
+def without_outliers(index: ClusterIndex, k: torch.Tensor, v: torch.Tensor, n_out: int) -> dict:
+    """Each cluster's ``n_out`` members farthest from its centroid taken out: their slots
+    ``[Hkv, M * n_out]``, the remaining members' slots ``[Hkv, M, cs]`` (-1 = none) and their
+    summaries (``summ [Hkv, M, 1 + r, D]``, ``resid``, ``log_counts [M]``, ``radius``, ``vmean``)."""
+    M, cfg = index.num_clusters, index.cfg
+    slots = index.slots[:, :M]  # [Hkv, M, cs]
+    valid = slots >= 0
+    rows_k = torch.stack([k[h][slots[h].clamp_min(0)] for h in range(index.hkv)])  # [Hkv, M, cs, D]
+    rows_v = torch.stack([v[h][slots[h].clamp_min(0)] for h in range(index.hkv)])
+    dist = (rows_k - index.summ[:, :M, 0].unsqueeze(2)).norm(dim=-1).masked_fill(~valid, -1.0)
+    order = torch.argsort(dist, dim=-1, descending=True, stable=True)  # farthest first, padding last
+    rest_order = torch.cat([order[..., n_out:], order[..., :n_out]], -1)
+    counts = (index.counts[:M] - n_out).clamp_min(1)
+    keep = torch.arange(slots.shape[-1]) < counts.view(1, M, 1)
+    gather = rest_order.unsqueeze(-1).expand_as(rows_k)
+    s = summarize(torch.where(keep.unsqueeze(-1), rows_k.gather(2, gather), 0.0),
+                  torch.where(keep.unsqueeze(-1), rows_v.gather(2, gather), 0.0), counts, cfg.rank,
+                  cfg.power_iterations)
+    return {"out_slots": slots.gather(-1, order[..., :n_out]).flatten(1),
+            "rest_slots": torch.where(keep, slots.gather(-1, rest_order), -1),
+            "summ": torch.cat([s.centroid.unsqueeze(2), s.eigvec * s.eigval.sqrt().unsqueeze(-1)], 2),
+            "resid": s.resid, "log_counts": counts.float().log(), "radius": s.radius, "vmean": s.vmean}
+
+
+def f32_output(s, v, read, tail, vmean):
+    """Exact attention over the slots ``read [Hkv, N]`` (scores ``s [Hkv, g, N]``, float32 keys)
+    merged with the tails ``tail [Hkv, g, M]`` (-inf = none) at ``vmean [Hkv, M, D]``."""
+    sr = s.masked_fill(~read.unsqueeze(1), NEG_INF)
+    mx = torch.maximum(sr.amax(-1), tail.amax(-1)).unsqueeze(-1)
+    p, pt = torch.exp(sr - mx), torch.exp(tail - mx)
+    return (torch.bmm(p, v) + torch.bmm(pt, vmean)) / (p.sum(-1, keepdim=True) + pt.sum(-1, keepdim=True))
+
+
+def read_slots(base: torch.Tensor, member_slots: torch.Tensor, opened: torch.Tensor) -> torch.Tensor:
+    """``base [Hkv, N]`` plus the members ``member_slots [Hkv, M, cs]`` of opened clusters."""
+    read = base.clone()
+    take = (opened.unsqueeze(-1) & (member_slots >= 0)).flatten(1)
+    flat = member_slots.flatten(1)
+    for h in range(read.shape[0]):
+        read[h, flat[h][take[h]]] = True
+    return read
+
+
 def read_corrected(mask, est, true_lm, log_exact, tau):
     """Re-check the stop with the opened clusters' exact masses; open more until it holds."""
     while True:
@@ -162,11 +210,21 @@ def call_rules(layer: SCSALayer, index: ClusterIndex, q, k, v, beta: float, grid
     exact = layer._dense(q.view(1, -1, 1, D), k.unsqueeze(0), v.unsqueeze(0), beta)[0, :, 0].float().view(hkv, g, D)
     M, n = index.num_clusters, k.shape[1]
     lm = true_log_masses(index, qg, k, beta)
-    cen, vm, lc, S = subs
+    cen, vm, lc, S, wo = subs
     sub_tail = torch.bmm(qg, cen.transpose(1, 2)) * beta + lc.unsqueeze(1)  # [Hkv, g, M * S]
     sub_est = torch.logsumexp(sub_tail.view(hkv, g, M, S), -1)
     bound = tail + beta * qg.norm(dim=-1, keepdim=True) * index.live_radius.unsqueeze(1)
     counts = index.counts[:M].float()
+    # float32 arms: scores of every key, the always-exact rows, and the outlier variant's summaries
+    s_all = torch.bmm(qg, k.transpose(1, 2)) * beta  # [Hkv, g, N]
+    s0, s1 = index.exact_slots(n)
+    base = torch.zeros(hkv, n, dtype=torch.bool)
+    base[:, :s0] = True
+    base[:, s1:] = True
+    base_o = base.clone()
+    base_o.scatter_(1, wo["out_slots"], True)
+    le_o = torch.logsumexp(s_all.masked_fill(~base_o.unsqueeze(1), NEG_INF), -1)
+    tail_o, est_o = cluster_scores(qg, wo["summ"], wo["resid"], wo["log_counts"], wo["radius"], beta)
     out = {r: ([], []) for r in RULES}
     cache: dict = {}
     for tau in grid:
@@ -176,7 +234,7 @@ def call_rules(layer: SCSALayer, index: ClusterIndex, q, k, v, beta: float, grid
                  "oracle_order": needed(lm, log_exact, t), "true_tail_mass": cur, "sub_tails": cur,
                  "sub_priority": needed(sub_est, log_exact, t),
                  "bound_stop": read_corrected(needed(bound, log_exact, t), bound, lm, log_exact, t)}
-        for rule, mask in masks.items():
+        for rule, mask in masks.items():  # the PyTorch path's q8_0 reads
             key = (rule in ("sub_tails", "sub_priority"), rule == "true_tail_mass", mask.numpy().tobytes())
             if key not in cache:
                 if key[0]:
@@ -188,6 +246,15 @@ def call_rules(layer: SCSALayer, index: ClusterIndex, q, k, v, beta: float, grid
                 cache[key] = group_error(o, exact, "group").float()
             out[rule][0].append(cache[key])
             out[rule][1].append((mask.float() * counts).sum(-1) / n)
+        read = read_slots(base, index.slots[:, :M], cur)
+        o = f32_output(s_all, v, read, tail.masked_fill(cur.unsqueeze(1), NEG_INF), index.live_vmean)
+        out["current_f32"][0].append(group_error(o, exact, "group").float())
+        out["current_f32"][1].append((read & ~base).float().sum(-1) / n)
+        mask = needed(est_o, le_o, t)
+        read = read_slots(base_o, wo["rest_slots"], mask)
+        o = f32_output(s_all, v, read, tail_o.masked_fill(mask.unsqueeze(1), NEG_INF), wo["vmean"])
+        out["outliers_8"][0].append(group_error(o, exact, "group").float())
+        out["outliers_8"][1].append((read & ~base).float().sum(-1) / n)
     return {r: (torch.stack(e), torch.stack(f)) for r, (e, f) in out.items()}
 
 
@@ -204,7 +271,7 @@ def evaluate(run: dict, cfg: SCSAConfig, heads: int, kv_heads: int, head_dim: in
         index = layer.indexes[0]
         k, v = k_all[:, :n].contiguous(), v_all[:, :n].contiguous()
         if index.update(k, v) or li not in subs:
-            subs[li] = sub_clusters(index, k, v)
+            subs[li] = (*sub_clusters(index, k, v), without_outliers(index, k, v, OUTLIERS))
         bar.update(1)
         if index.num_clusters == 0:
             continue
