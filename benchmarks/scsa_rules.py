@@ -27,6 +27,10 @@ keys read from opened clusters.
                    (like the sink rows); the cluster is summarised, ranked and tailed without them;
                    float32 reads; its opened fraction counts those always-read rows too
 
+Also, per query head at tau 0.03 (the stop diagnostics): how far the current stop's estimate of
+the mass it leaves unopened is from the truth, and how many clusters a true stop would need in
+estimate order against true order (is it the order or the stop that errs?).
+
 Reported per rule: median / p90 error and mean opened fraction per tau, on book and on vt calls;
 and a transfer check as SCSA would run it: each KV head's tau calibrated on the first ``--calib``
 book steps (largest tau whose median error meets ``--tolerance``; no tau: the head attends
@@ -62,7 +66,7 @@ from longattn.sparse import SCSAConfig  # noqa: E402
 from longattn.sparse.calibrate import group_error  # noqa: E402
 from longattn.sparse.clustering import split_block, summarize  # noqa: E402
 from longattn.sparse.index import ClusterIndex  # noqa: E402
-from longattn.sparse.kernel import NEG_INF, Selection, cluster_scores, needed  # noqa: E402
+from longattn.sparse.kernel import NEG_INF, Selection, cluster_scores, needed, stop_counts  # noqa: E402
 from longattn.sparse.layer import SCSALayer  # noqa: E402
 from longattn.sparse_policy import build_sparse_policy  # noqa: E402
 from scsa_quality import RESULTS, step  # noqa: E402
@@ -71,6 +75,7 @@ RULES = ("current", "read_corrected", "oracle_order", "true_tail_mass", "sub_tai
          "bound_stop", "current_f32", "outliers_8")
 SUB = 32  # sub-cluster size for the sub_* rules
 OUTLIERS = 8  # keys per cluster read exactly by outliers_8
+DIAG_TAU = 0.03  # tau of the stop diagnostics
 
 
 # --- recording ---------------------------------------------------------------------------------
@@ -202,6 +207,32 @@ def read_corrected(mask, est, true_lm, log_exact, tau):
         mask = mask | new
 
 
+def clusters_needed(order_scores: torch.Tensor, lm: torch.Tensor, log_exact: torch.Tensor, tau: float):
+    """Clusters each query head must open, in the order of ``order_scores``, until the true
+    uncaptured fraction is below tau: ``[R]`` (rows R, clusters on the last axis of ``[R, M]``)."""
+    order = torch.argsort(order_scores, dim=-1, descending=True, stable=True)
+    mx = torch.maximum(lm.amax(-1), log_exact).unsqueeze(-1)
+    m = torch.exp(lm.gather(-1, order) - mx)
+    total = torch.exp(log_exact.unsqueeze(-1) - mx) + m.sum(-1, keepdim=True)
+    return (m.flip(-1).cumsum(-1).flip(-1) >= tau * total).sum(-1)
+
+
+def stop_diagnostics(est: torch.Tensor, lm: torch.Tensor, log_exact: torch.Tensor, tau: float) -> dict:
+    """Per query head (no union over the group), at ``tau``: log(estimated / true) mass of the
+    clusters the current stop leaves unopened (NaN when it opens all), and the fraction of
+    clusters needed for a true uncaptured fraction < tau in estimate order and in true order."""
+    M = est.shape[-1]
+    e, t, le = est.reshape(-1, M), lm.reshape(-1, M), log_exact.reshape(-1)
+    srt, order = torch.sort(e, dim=-1, descending=True, stable=True)
+    k = stop_counts(srt, le, torch.tensor(tau))
+    unopened = torch.arange(M) >= k.unsqueeze(-1)
+    log_ratio = torch.logsumexp(srt.masked_fill(~unopened, NEG_INF), -1) - \
+        torch.logsumexp(t.gather(-1, order).masked_fill(~unopened, NEG_INF), -1)
+    return {"unopened_log_ratio": torch.where(k < M, log_ratio, float("nan")),
+            "needed_estimate_order": clusters_needed(e, t, le, tau).float() / M,
+            "needed_true_order": clusters_needed(t, t, le, tau).float() / M}
+
+
 def call_rules(layer: SCSALayer, index: ClusterIndex, q, k, v, beta: float, grid, subs) -> dict:
     """Every rule at every tau for one call: ``{rule: (error [T, Hkv], opened fraction [T, Hkv])}``."""
     hkv, g, D = layer.num_kv_heads, layer.group, layer.head_dim
@@ -255,7 +286,8 @@ def call_rules(layer: SCSALayer, index: ClusterIndex, q, k, v, beta: float, grid
         o = f32_output(s_all, v, read, tail_o.masked_fill(mask.unsqueeze(1), NEG_INF), wo["vmean"])
         out["outliers_8"][0].append(group_error(o, exact, "group").float())
         out["outliers_8"][1].append((read & ~base).float().sum(-1) / n)
-    return {r: (torch.stack(e), torch.stack(f)) for r, (e, f) in out.items()}
+    res = {r: (torch.stack(e), torch.stack(f)) for r, (e, f) in out.items()}
+    return res, stop_diagnostics(est, lm, log_exact, DIAG_TAU)
 
 
 def evaluate(run: dict, cfg: SCSAConfig, heads: int, kv_heads: int, head_dim: int, beta: float, bar) -> list:
@@ -275,8 +307,8 @@ def evaluate(run: dict, cfg: SCSAConfig, heads: int, kv_heads: int, head_dim: in
         bar.update(1)
         if index.num_clusters == 0:
             continue
-        res = call_rules(layer, index, q, k, v, beta, grid, subs[li])
-        rows.append({"text": run["text"], "layer": li, "step": i // per_step, "rules": res})
+        res, diag = call_rules(layer, index, q, k, v, beta, grid, subs[li])
+        rows.append({"text": run["text"], "layer": li, "step": i // per_step, "rules": res, "diag": diag})
     return rows
 
 
@@ -315,6 +347,19 @@ def per_tau(rows: list, rule: str, grid: list) -> list:
              "opened_fraction": float(f[i].mean())} for i, t in enumerate(grid)]
 
 
+def diagnostics(rows: list) -> dict:
+    out = {}
+    for text in ("book", "vt"):
+        d = [r["diag"] for r in rows if r["text"] == text]
+        lr = torch.cat([x["unopened_log_ratio"] for x in d])
+        lr = lr[torch.isfinite(lr)]
+        out[text] = {"tau": DIAG_TAU, "head_calls": len(lr),
+                     "unopened_log_ratio_quantiles": {str(p): float(lr.quantile(p)) for p in (0.1, 0.25, 0.5, 0.75, 0.9)},
+                     "mean_needed_estimate_order": float(torch.cat([x["needed_estimate_order"] for x in d]).mean()),
+                     "mean_needed_true_order": float(torch.cat([x["needed_true_order"] for x in d]).mean())}
+    return out
+
+
 def plot(results: dict, path: Path) -> None:
     fig, ax = new_figure(11, 4.4)
     fig.clear()
@@ -327,6 +372,7 @@ def plot(results: dict, path: Path) -> None:
         a.axhline(results["tolerance"], color="grey", lw=0.8, ls=":")
         a.set(xlabel="keys read from opened clusters (%)", ylabel="p90 output error (group)",
               title=f"{text} calls, {results['context']} tokens", yscale="log")
+        a.set_ylim(bottom=5e-3)  # the float32 arms reach 1e-6 when everything is read
         a.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     save_figure(fig, path)
@@ -386,7 +432,13 @@ def main() -> int:
                "vt_dense_answers": [r["answer"] for r in runs if r["text"] == "vt"],
                "per_tau": {text: {rule: per_tau([r for r in kept if r["text"] == text], rule, grid)
                                   for rule in RULES} for text in ("book", "vt")},
-               "transfer": {}}
+               "stop_diagnostics": diagnostics(kept), "transfer": {}}
+    for text, dg in results["stop_diagnostics"].items():
+        qs = dg["unopened_log_ratio_quantiles"]
+        print(f"{text}: at tau {DIAG_TAU}, log(estimated / true) unopened mass at the stop, 10/50/90%: "
+              f"{qs['0.1']:+.2f} / {qs['0.5']:+.2f} / {qs['0.9']:+.2f} nats; clusters needed for a true "
+              f"uncaptured fraction < tau: {dg['mean_needed_estimate_order']:.3f} in estimate order, "
+              f"{dg['mean_needed_true_order']:.3f} in true order")
     print(f"per-tau tables leave out layers {exact_layers} (a head there attends exactly)")
     print(f"transfer: taus calibrated on book steps 0..{args.calib - 1}, tolerance {args.tolerance}")
     print(f"{'rule':15s} {'exact':>5s}  {'book: median err':>16s} {'over':>5s} {'opened':>6s}"
