@@ -74,7 +74,7 @@ class CallChecker:
         index = layer.indexes[0]
         prep = layer._prepare(index, q[0, :, 0], k[0], v[0], scale)
         table = layer.replay_errors(index, prep, exact, scale)  # [T, Hkv], the layer's own replay
-        grid = layer.calibrator.grid.tolist()
+        grid = layer.calibrator.grid.float().tolist()  # the float32 values the layer's taus take
         need = [max([t for t, e in zip(grid, table[:, h].tolist()) if e <= self.tolerance], default=0.0)
                 for h in range(layer.num_kv_heads)]
         self.records.append({"text": self.tag, "layer": layer.layer_index, "error": err,
