@@ -30,11 +30,10 @@ from longattn.policy import AttentionPolicy  # noqa: E402
 from longattn.sparse import SCSAConfig  # noqa: E402
 from longattn.sparse.calibrate import group_error  # noqa: E402
 from longattn.sparse.index import ClusterIndex  # noqa: E402
-from longattn.sparse.kernel import NEG_INF, cluster_scores, needed  # noqa: E402
 from longattn.sparse.layer import SCSALayer  # noqa: E402
 from longattn.sparse_policy import build_sparse_policy, preset_taus, retune  # noqa: E402
 from scsa_quality import RESULTS, greedy, sparse_ops, step, truncate  # noqa: E402
-from scsa_rules import without_outliers, f32_output, read_slots  # noqa: E402
+from scsa_rules import outlier_call, outlier_output, without_outliers  # noqa: E402
 
 N_OUT = [0]  # keys per cluster read exactly, set per arm
 
@@ -56,24 +55,15 @@ def attend(layer, q, k, v, scale):
     if built or getattr(ix, "_wo", None) is None:
         ix._wo = without_outliers(ix, kf, vf, N_OUT[0])
     wo = ix._wo
-    n = kf.shape[1]
     qg = q[0, :, 0].float().view(hkv, g, D)
     s_all = torch.bmm(qg, kf.transpose(1, 2)) * scale
-    s0, s1 = ix.exact_slots(n)
-    base = torch.zeros(hkv, n, dtype=torch.bool)  # rows read on every call: sink, suffix, outliers
-    base[:, :s0] = True
-    base[:, s1:] = True
-    if N_OUT[0]:
-        base.scatter_(1, wo["out_slots"], True)
-    le = torch.logsumexp(s_all.masked_fill(~base.unsqueeze(1), NEG_INF), -1)
-    tail, est = cluster_scores(qg, wo["summ"], wo["resid"], wo["log_counts"], wo["radius"], scale)
+    call = outlier_call(ix, wo, qg, s_all, scale)  # with no outliers: the current rule in float32
 
     def out_at(taus):  # opened_rows: rows read beyond those read on every call
-        mask = needed(est, le, taus)
-        read = read_slots(base, wo["rest_slots"], mask)
-        layer.counters["opened_rows"] += int((read.sum() - base.sum()))
-        layer.counters["exact_rows"] += int(base.sum())
-        return f32_output(s_all, vf, read, tail.masked_fill(mask.unsqueeze(1), NEG_INF), wo["vmean"])
+        out, read = outlier_output(call, wo, s_all, vf, taus)
+        layer.counters["opened_rows"] += int(read.sum() - call["base"].sum())
+        layer.counters["exact_rows"] += int(call["base"].sum())
+        return out
     if not layer.calibrated:
         exact = layer._dense(q, k, v, scale)
         o_ex = exact[0, :, 0].float().view(hkv, g, D)

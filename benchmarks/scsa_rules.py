@@ -120,14 +120,14 @@ def record(model, config, prompt: list, n0: int, steps: int, forced: list | None
 
 
 # --- the rules ---------------------------------------------------------------------------------
-def true_log_masses(index: ClusterIndex, qg: torch.Tensor, k: torch.Tensor, beta: float) -> torch.Tensor:
-    """log sum_{k in c} exp(beta q.k) of every cluster: ``[Hkv, g, M]`` (float32 keys)."""
+def true_log_masses(index: ClusterIndex, s_all: torch.Tensor) -> torch.Tensor:
+    """log sum_{k in c} exp(beta q.k) of every cluster from the scores of every key
+    ``s_all [Hkv, g, N]`` (float32 keys): ``[Hkv, g, M]``."""
     M = index.num_clusters
     slots = index.slots[:, :M]  # [Hkv, M, cs], -1 = padding
     out = []
     for h in range(index.hkv):
-        s = (qg[h] @ k[h].T) * beta  # [g, N]
-        sc = s[:, slots[h].clamp_min(0).reshape(-1)].view(-1, *slots.shape[1:])
+        sc = s_all[h][:, slots[h].clamp_min(0).reshape(-1)].view(-1, *slots.shape[1:])
         out.append(torch.logsumexp(sc.masked_fill((slots[h] < 0).unsqueeze(0), NEG_INF), -1))
     return torch.stack(out)
 
@@ -197,6 +197,35 @@ def read_slots(base: torch.Tensor, member_slots: torch.Tensor, opened: torch.Ten
     return read
 
 
+def always_read(index: ClusterIndex, n: int, extra: torch.Tensor | None = None) -> torch.Tensor:
+    """bool ``[Hkv, n]``: the slots read on every call (sink, unsealed suffix, and ``extra``
+    ``[Hkv, X]`` slots, e.g. the outliers)."""
+    s0, s1 = index.exact_slots(n)
+    base = torch.zeros(index.hkv, n, dtype=torch.bool)
+    base[:, :s0] = True
+    base[:, s1:] = True
+    if extra is not None:
+        base.scatter_(1, extra, True)
+    return base
+
+
+def outlier_call(index: ClusterIndex, wo: dict, qg: torch.Tensor, s_all: torch.Tensor, beta: float) -> dict:
+    """What the outlier rule (``without_outliers``' summaries ``wo``) needs of one call, for any
+    tau: the always-read slots, their log-mass ``[Hkv, g]``, and the tail logits and estimates
+    ``[Hkv, g, M]`` of the clusters without their outliers."""
+    base = always_read(index, s_all.shape[-1], wo["out_slots"])
+    tail, est = cluster_scores(qg, wo["summ"], wo["resid"], wo["log_counts"], wo["radius"], beta)
+    return {"base": base, "log_exact": torch.logsumexp(s_all.masked_fill(~base.unsqueeze(1), NEG_INF), -1),
+            "tail": tail, "est": est}
+
+
+def outlier_output(call: dict, wo: dict, s_all: torch.Tensor, v: torch.Tensor, taus: torch.Tensor):
+    """The outlier rule's float32 output ``[Hkv, g, D]`` at ``taus [Hkv]`` and the slots it read."""
+    mask = needed(call["est"], call["log_exact"], taus)
+    read = read_slots(call["base"], wo["rest_slots"], mask)
+    return f32_output(s_all, v, read, call["tail"].masked_fill(mask.unsqueeze(1), NEG_INF), wo["vmean"]), read
+
+
 def read_corrected(mask, est, true_lm, log_exact, tau):
     """Re-check the stop with the opened clusters' exact masses; open more until it holds."""
     while True:
@@ -240,22 +269,16 @@ def call_rules(layer: SCSALayer, index: ClusterIndex, q, k, v, beta: float, grid
     qg, est, tail, log_exact = prep["qg"], prep["est"], prep["tail"], prep["log_exact"]
     exact = layer._dense(q.view(1, -1, 1, D), k.unsqueeze(0), v.unsqueeze(0), beta)[0, :, 0].float().view(hkv, g, D)
     M, n = index.num_clusters, k.shape[1]
-    lm = true_log_masses(index, qg, k, beta)
+    # float32 arms: scores of every key (also the true cluster masses), the rows read on every call
+    s_all = torch.bmm(qg, k.transpose(1, 2)) * beta  # [Hkv, g, N]
+    lm = true_log_masses(index, s_all)
+    base = always_read(index, n)
     cen, vm, lc, S, wo = subs
+    wo_call = outlier_call(index, wo, qg, s_all, beta)
     sub_tail = torch.bmm(qg, cen.transpose(1, 2)) * beta + lc.unsqueeze(1)  # [Hkv, g, M * S]
     sub_est = torch.logsumexp(sub_tail.view(hkv, g, M, S), -1)
     bound = tail + beta * qg.norm(dim=-1, keepdim=True) * index.live_radius.unsqueeze(1)
     counts = index.counts[:M].float()
-    # float32 arms: scores of every key, the always-exact rows, and the outlier variant's summaries
-    s_all = torch.bmm(qg, k.transpose(1, 2)) * beta  # [Hkv, g, N]
-    s0, s1 = index.exact_slots(n)
-    base = torch.zeros(hkv, n, dtype=torch.bool)
-    base[:, :s0] = True
-    base[:, s1:] = True
-    base_o = base.clone()
-    base_o.scatter_(1, wo["out_slots"], True)
-    le_o = torch.logsumexp(s_all.masked_fill(~base_o.unsqueeze(1), NEG_INF), -1)
-    tail_o, est_o = cluster_scores(qg, wo["summ"], wo["resid"], wo["log_counts"], wo["radius"], beta)
     out = {r: ([], []) for r in RULES}
     cache: dict = {}
     for tau in grid:
@@ -281,9 +304,7 @@ def call_rules(layer: SCSALayer, index: ClusterIndex, q, k, v, beta: float, grid
         o = f32_output(s_all, v, read, tail.masked_fill(cur.unsqueeze(1), NEG_INF), index.live_vmean)
         out["current_f32"][0].append(group_error(o, exact, "group").float())
         out["current_f32"][1].append((read & ~base).float().sum(-1) / n)
-        mask = needed(est_o, le_o, t)
-        read = read_slots(base_o, wo["rest_slots"], mask)
-        o = f32_output(s_all, v, read, tail_o.masked_fill(mask.unsqueeze(1), NEG_INF), wo["vmean"])
+        o, read = outlier_output(wo_call, wo, s_all, v, t)
         out["outliers_8"][0].append(group_error(o, exact, "group").float())
         out["outliers_8"][1].append((read & ~base).float().sum(-1) / n)
     res = {r: (torch.stack(e), torch.stack(f)) for r, (e, f) in out.items()}
