@@ -54,12 +54,12 @@ def sealed(layer, x):
     return x[:, :, layer.cfg.sink:index.seal_end]
 
 
-@pytest.mark.parametrize("cluster_size", [16, 24])
+@pytest.mark.parametrize("cluster_size, outliers", [(16, 0), (24, 0), (16, 3)])
 @pytest.mark.parametrize("hierarchical", [False, True])
-def test_tau0_f32_packing_equals_dense(cluster_size, hierarchical):
+def test_tau0_f32_packing_equals_dense(cluster_size, outliers, hierarchical):
     q, k, v, scale = data()
-    layer = SCSALayer(small_cfg(packing="f32", cluster_size=cluster_size, hierarchical=hierarchical),
-                      H, HKV, D)
+    layer = SCSALayer(small_cfg(packing="f32", cluster_size=cluster_size, hierarchical=hierarchical,
+                                outliers=outliers), H, HKV, D)
     out = layer.attend(q, k, v, scale)
     assert out.dtype == torch.float32 and out.shape == (1, H, 1, D)
     assert layer.indexes[0].num_clusters > 0

@@ -14,7 +14,8 @@ def small_cfg(**kw):
     return _small_cfg(**{"tau_default": 0.05, **kw})
 
 
-INDEX_FIELDS = ("counts", "log_counts", "summ", "resid", "vmean", "diagvar", "eigval", "slots", "pad_bias")
+INDEX_FIELDS = ("counts", "log_counts", "summ", "resid", "vmean", "diagvar", "eigval", "slots", "pad_bias",
+                "out_slots")
 
 
 def assert_same_index(a, b):
@@ -31,11 +32,12 @@ def assert_same_index(a, b):
             assert torch.equal(getattr(a.tree, name), getattr(b.tree, name)), name
 
 
-@pytest.mark.parametrize("packing, hierarchical", [("q8_0", False), ("f16", True)])
-def test_incremental_equals_from_scratch(packing, hierarchical):
+@pytest.mark.parametrize("packing, hierarchical, outliers", [("q8_0", False, 0), ("f16", True, 0),
+                                                             ("q8_0", False, 4)])
+def test_incremental_equals_from_scratch(packing, hierarchical, outliers):
     n_max = 1500
     qs, k_all, v_all, _ = attn_case(n_max, H, HKV, D, seed=11, queries=60, query_seed=3)
-    cfg = small_cfg(packing=packing, hierarchical=hierarchical)
+    cfg = small_cfg(packing=packing, hierarchical=hierarchical, outliers=outliers)
     grow = SCSALayer(cfg, H, HKV, D)
     gen = torch.Generator().manual_seed(0)
     n, step, frozen_seen = 70, 0, set()
@@ -48,6 +50,7 @@ def test_incremental_equals_from_scratch(packing, hierarchical):
             fresh = SCSALayer(cfg, H, HKV, D)
             ref = fresh.attend(qs[step % 60], k, v, D ** -0.5)
             assert_same_index(index, fresh.indexes[0])
+            assert torch.equal(index.extra_slots, fresh.indexes[0].extra_slots)
             assert torch.equal(out, ref)
         n += int(torch.randint(1, 40, (1,), generator=gen))
         step += 1

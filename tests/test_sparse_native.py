@@ -55,6 +55,16 @@ def test_matches_torch_path_and_serial(H, HKV, D, tau):
     check_case(H, HKV, D, 700, tau, cluster_size=24)
 
 
+@pytest.mark.parametrize("H,HKV,D", [(14, 2, 64), (6, 3, 48)])
+@pytest.mark.parametrize("tau", [0.0, 0.05])
+def test_outliers_match_torch_path_and_serial(H, HKV, D, tau):
+    layer = check_case(H, HKV, D, 700, tau, cluster_size=24, outliers=5)
+    index = layer.indexes[0]
+    M = index.num_clusters
+    taken = int((index.out_slots[0, :M] >= 0).sum())
+    assert taken == 5 * M - 1 and index.extra_slots.shape == (HKV, taken)  # 27 clusters of 24-5, one of 9-4
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_threads_split_the_opened_clusters(threads):
     torch.set_num_threads(threads)  # the autouse one_thread fixture restores it
@@ -110,11 +120,14 @@ def test_kernel_rejects_bad_inputs():
     layer.attend(qs[0], k, v, scale)
     index = layer.indexes[0]
     st = index.store
-    args = [qs[0][0, :, 0], k[0], v[0], 4, 500, index.summ, index.resid, index.log_counts, index.radius,
-            index.vmean, index.counts, index.num_clusters, st.kt, st.ks, st.vi, st.vs, layer.taus, scale]
+    args = [qs[0][0, :, 0], k[0], v[0], 4, 500, index.extra_slots, index.summ, index.resid, index.log_counts,
+            index.radius, index.vmean, index.counts, index.num_clusters, st.kt, st.ks, st.vi, st.vs, layer.taus,
+            scale]
     torch.ops.longattn_cpu.scsa_decode(*args)  # the valid call
     for i, bad, needle in ((1, k[0].double(), "float32"), (4, 10_000, "s0 <= s1 <= N"),
-                           (11, index.summ.shape[1] + 1, "C >= M"), (16, torch.zeros(3), "taus")):
+                           (5, torch.full((2, 1), 550), r"extra slots must lie in \[s0, s1\)"),
+                           (5, torch.zeros(2, 1, dtype=torch.int32), "extra int64"),
+                           (12, index.summ.shape[1] + 1, "C >= M"), (17, torch.zeros(3), "taus")):
         wrong = list(args)
         wrong[i] = bad
         with pytest.raises(RuntimeError, match=needle):

@@ -21,11 +21,11 @@ def case():
     return attn_case(N, H, HKV, D, seed=5, queries=3, query_seed=2, centers=24)
 
 
-@pytest.mark.parametrize("hierarchical", [False, True])
+@pytest.mark.parametrize("hierarchical, outliers", [(False, 0), (True, 0), (False, 4), (True, 4)])
 @pytest.mark.parametrize("tau", [0.0, 0.003, 0.03, 0.3, 1.0])
-def test_every_key_counted_exactly_once(case, hierarchical, tau):
+def test_every_key_counted_exactly_once(case, hierarchical, outliers, tau):
     qs, k, v, scale = case
-    layer = SCSALayer(small_cfg(hierarchical=hierarchical, tau_default=tau), H, HKV, D)
+    layer = SCSALayer(small_cfg(hierarchical=hierarchical, tau_default=tau, outliers=outliers), H, HKV, D)
     before = dict(layer.counters)
     for q in qs:
         layer.attend(q, k, v, scale)
@@ -75,10 +75,10 @@ def test_flat_and_hierarchical_agree_when_fully_expanded(case, tau, tree_order):
 
 @pytest.mark.parametrize("packing", ["f32", "q8_0"])
 @pytest.mark.parametrize("hierarchical", [False, True])
-@pytest.mark.parametrize("tau", [0.01, 0.1])
-def test_fast_path_matches_serial_reference(case, packing, hierarchical, tau):
+@pytest.mark.parametrize("tau, outliers", [(0.01, 0), (0.1, 0), (0.01, 3)])
+def test_fast_path_matches_serial_reference(case, packing, hierarchical, tau, outliers):
     qs, k, v, scale = case
-    kw = dict(packing=packing, hierarchical=hierarchical, tau_default=tau)
+    kw = dict(packing=packing, hierarchical=hierarchical, tau_default=tau, outliers=outliers)
     fast = SCSALayer(small_cfg(**kw), H, HKV, D)
     slow = SCSALayer(small_cfg(serial=True, **kw), H, HKV, D)
     for q in qs[:2]:

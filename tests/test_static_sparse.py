@@ -61,12 +61,12 @@ def tol_from_dense(m, ids):
     return 2 * (e - st).abs().max().item() + 4 * 2.0 ** -23 * e.abs().max().item()
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_static_sparse_makes_the_eager_decisions(family):
+@pytest.mark.parametrize("family, outliers", [("llama", 0), ("gemma3", 0), ("llama", 2)])
+def test_static_sparse_makes_the_eager_decisions(family, outliers):
     m = model(family)
     ids = _ids(1, PROMPT + STEPS, seed=3)
-    e, s = eager_logits(m, sparse_pol(m), ids, PROMPT)
-    dec = StaticDecoder(m, sparse_pol(m), max_len=ids.shape[1] + 1, compile=False)
+    e, s = eager_logits(m, sparse_pol(m, outliers=outliers), ids, PROMPT)
+    dec = StaticDecoder(m, sparse_pol(m, outliers=outliers), max_len=ids.shape[1] + 1, compile=False)
     st = static_logits(dec, ids, PROMPT)
     eager_ops = {op.layer_index: op.scsa for op in sparse_ops(s.policy)}
     assert eager_ops, "no sparse layer ran"
@@ -75,6 +75,8 @@ def test_static_sparse_makes_the_eager_decisions(family):
         assert counters([static_sc]) == counters([sc])
         assert torch.equal(static_sc.taus, sc.taus) and static_sc.calibrated
     assert counters(dec.sparse.layers.values())["opened_rows"] > 0
+    taken = [ix.extra_slots.shape[1] for sc in eager_ops.values() for ix in sc.indexes]
+    assert (min(taken) > 0) if outliers else (max(taken) == 0)
     assert (st - e).abs().max().item() <= tol_from_dense(m, ids)
 
 

@@ -74,6 +74,8 @@ def sparse_policy(cfg, args) -> AttentionPolicy:
         kw["min_context"] = args.sparse_min_context
     if getattr(args, "sparse_tolerance", None) is not None:
         kw["tolerance"] = args.sparse_tolerance
+    if getattr(args, "sparse_outliers", None) is not None:
+        kw["outliers"] = args.sparse_outliers
     return build_sparse_policy(cfg, SCSAConfig(**kw), window=args.window, sinks=args.sinks)
 
 

@@ -43,6 +43,14 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                         "global: --window on the checkpoint's global layers; sparse: SCSA decode")
     p.add_argument("--window", type=int, default=None, help="window W (keys per query incl. itself)")
     p.add_argument("--sinks", type=int, default=0, help="sink tokens always readable")
+    # SUPPRESS: an option not given leaves SCSAConfig's default (named in the help) in force
+    p.add_argument("--sparse-min-context", type=int, default=argparse.SUPPRESS, metavar="N",
+                   help="sparse: layers run dense below N cached tokens (default: 8192)")
+    p.add_argument("--sparse-tolerance", type=float, default=argparse.SUPPRESS, metavar="T",
+                   help="sparse: calibration's median relative output error per head (default: 0.025)")
+    p.add_argument("--sparse-outliers", type=int, default=argparse.SUPPRESS, metavar="K",
+                   help="sparse: keys per cluster, farthest from its centroid, always read exactly "
+                        "(default: 0)")
 
 
 def add_json_arg(p: argparse.ArgumentParser) -> None:

@@ -170,16 +170,54 @@ def summarize(keys: torch.Tensor, values: torch.Tensor, counts: torch.Tensor, ra
     )
 
 
+def outlier_counts(counts: torch.Tensor, outliers: int) -> torch.Tensor:
+    """Members taken out of each cluster as outliers: ``min(outliers, m // 2)``, so a cluster
+    keeps at least half of its members (int64 ``[C]``; the same for every KV head)."""
+    return torch.minimum(torch.full_like(counts, outliers), counts // 2)
+
+
+def take_outliers(keys: torch.Tensor, perm: torch.Tensor, counts: torch.Tensor,
+                  outliers: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Take each cluster's members farthest from its centroid out of it.
+
+    Args:
+        keys: float32 ``[Hkv, C, cs, D]`` member rows (zero padded); perm int64 ``[Hkv, C, cs]``
+            their block rows (-1 = padding); counts int64 ``[C]``.
+    Returns:
+        ``(order, out_perm, kept)``: ``order`` ``[Hkv, C, cs]`` positions within each cluster,
+        the kept members first (in their original order), then the outliers, then padding;
+        ``out_perm`` ``[Hkv, C, outliers]`` the outliers' block rows (-1 where a cluster has
+        fewer); ``kept`` ``[C]`` the members left per cluster.
+    """
+    hkv, C, cs, D = keys.shape
+    n_out = outlier_counts(counts, outliers)  # [C]
+    valid = perm >= 0
+    centroid = keys.sum(2) / counts.to(keys.dtype).view(1, C, 1)  # [Hkv, C, D]
+    dist = (keys - centroid.unsqueeze(2)).norm(dim=-1).masked_fill(~valid, -1.0)  # [Hkv, C, cs]
+    far = torch.argsort(dist, dim=-1, descending=True, stable=True)[..., :outliers]  # [Hkv, C, o]
+    is_out_rank = torch.arange(outliers) < n_out.view(1, C, 1)  # [1, C, o]
+    out_perm = torch.where(is_out_rank, perm.gather(-1, far), -1)
+    rank = torch.zeros(hkv, C, cs, dtype=torch.int8)  # 0 kept member, 1 outlier, 2 padding
+    rank.masked_fill_(~valid, 2)
+    rank.scatter_(-1, far, torch.where(is_out_rank, 1, rank.gather(-1, far).long()).to(torch.int8))
+    order = torch.argsort(rank, dim=-1, stable=True)
+    return order, out_perm, counts - n_out
+
+
 def cluster_block(keys: torch.Tensor, values: torch.Tensor, cluster_size: int, rank: int,
-                  iterations: int):
+                  iterations: int, outliers: int = 0):
     """Split one block and summarise its clusters.
 
     Args:
         keys, values: float32 ``[Hkv, n, D]`` (one block of consecutive cache slots).
+        outliers: members per cluster (farthest from its centroid, at most half of the cluster)
+            taken out of it to be attended exactly; see ``take_outliers``.
     Returns:
-        ``(perm, summaries, k_rows, v_rows)``: ``perm`` int64 ``[Hkv, C, cs]`` block-relative row
-        of each cluster member (-1 = padding), and the member rows ``[Hkv, C, cs, D]``
-        (zero padded) ready for packing.
+        ``(perm, summaries, k_rows, v_rows, out_perm)``: ``perm`` int64 ``[Hkv, C, cs]``
+        block-relative row of each cluster member (-1 = padding), the member rows
+        ``[Hkv, C, cs, D]`` (zero padded) ready for packing, and ``out_perm`` int64
+        ``[Hkv, C, outliers]`` the block rows taken out as outliers (-1 = none). Summaries and
+        rows describe the members that stay.
     """
     hkv, n, D = keys.shape
     order, sizes = split_block(keys, cluster_size)
@@ -192,11 +230,20 @@ def cluster_block(keys: torch.Tensor, values: torch.Tensor, cluster_size: int, r
         (torch.arange(n) - starts.repeat_interleave(counts))  # [n]
     perm[:, dest] = order
     perm = perm.view(hkv, C, cluster_size)
-    safe = perm.clamp_min(0)
-    pad = (perm >= 0).unsqueeze(-1)  # [Hkv, C, cs, 1]
-    k_rows = torch.gather(keys, 1, safe.view(hkv, -1, 1).expand(-1, -1, D)).view(hkv, C, cluster_size, D)
-    v_rows = torch.gather(values, 1, safe.view(hkv, -1, 1).expand(-1, -1, D)).view(hkv, C, cluster_size, D)
-    k_rows = torch.where(pad, k_rows, 0.0)
-    v_rows = torch.where(pad, v_rows, 0.0)
+
+    def rows_of(perm):  # [Hkv, C, cs] block rows -> keys, values [Hkv, C, cs, D] (zero padded)
+        safe = perm.clamp_min(0).view(hkv, -1, 1).expand(-1, -1, D)
+        pad = (perm >= 0).unsqueeze(-1)
+        k_rows = torch.where(pad, torch.gather(keys, 1, safe).view(hkv, C, cluster_size, D), 0.0)
+        v_rows = torch.where(pad, torch.gather(values, 1, safe).view(hkv, C, cluster_size, D), 0.0)
+        return k_rows, v_rows
+
+    k_rows, v_rows = rows_of(perm)
+    out_perm = perm.new_full((hkv, C, outliers), -1)
+    if outliers:
+        within, out_perm, counts = take_outliers(k_rows, perm, counts, outliers)
+        perm = perm.gather(-1, within)
+        perm = torch.where(torch.arange(cluster_size) < counts.view(1, C, 1), perm, -1)
+        k_rows, v_rows = rows_of(perm)
     summ = summarize(k_rows, v_rows, counts, rank, iterations)
-    return perm, summ, k_rows, v_rows
+    return perm, summ, k_rows, v_rows, out_perm

@@ -4,6 +4,8 @@ Regions of the cache (slots are absolute positions):
 
     [0, sink)            always exact
     [sink, seal_end)     sealed: clustered, summarised and packed, in blocks of ``block_size``
+                         (with ``outliers`` > 0, each cluster's farthest members are taken out
+                         when its block is built and are always exact: ``extra_slots``)
     [seal_end, N)        unsealed suffix (``recent`` plus what is not rebuilt yet): always exact
 
 ``seal_end = sink + floor((N - sink - recent) / rebuild_interval) * rebuild_interval``, so the
@@ -51,6 +53,7 @@ class ClusterIndex:
         self.eigval = torch.zeros(hkv, 0, r)                   # [Hkv, C, r]
         self.slots = torch.zeros(hkv, 0, cs, dtype=torch.int64)  # [Hkv, C, cs], -1 = padding
         self.pad_bias = torch.zeros(0, cs)                     # [C, cs]: 0 member, -inf padding
+        self.out_slots = torch.zeros(hkv, 0, cfg.outliers, dtype=torch.int64)  # [Hkv, C, o], -1 = none
         self.store = make_store(cfg.packing, hkv, cs, d)
         self.tree: ClusterTree | None = None
         self._fingerprint: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -65,17 +68,22 @@ class ClusterIndex:
         self.live_radius = self.radius[:, :M]
         self.live_log_counts = self.log_counts[:M]
         self.has_padding = bool(M) and bool((self.counts[:M] < self.cfg.cluster_size).any())
+        # every cluster has as many outliers in every head, so each head's list is equally long
+        out = self.out_slots[:, :M].reshape(self.hkv, -1)
+        keep = out[0] >= 0 if out.shape[1] else torch.zeros(0, dtype=torch.bool)
+        self.extra_slots = out[:, keep].sort(-1).values.contiguous()  # [Hkv, X] ascending
 
     def _ensure(self, clusters: int) -> None:
         if clusters <= self.capacity:
             return
         cap = max(clusters, 2 * self.capacity, 16)
         for name, dim in (("counts", 0), ("log_counts", 0), ("summ", 1), ("resid", 1), ("vmean", 1),
-                          ("diagvar", 1), ("radius", 1), ("eigval", 1), ("slots", 1), ("pad_bias", 0)):
+                          ("diagvar", 1), ("radius", 1), ("eigval", 1), ("slots", 1), ("pad_bias", 0),
+                          ("out_slots", 1)):
             t = getattr(self, name)
             shape = list(t.shape)
             shape[dim] = cap
-            fill = -1 if name == "slots" else 0
+            fill = -1 if name in ("slots", "out_slots") else 0
             out = torch.full(shape, fill, dtype=t.dtype)
             out.narrow(dim, 0, t.shape[dim]).copy_(t)
             setattr(self, name, out)
@@ -136,7 +144,8 @@ class ClusterIndex:
     def _build_block(self, c0: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Cluster rows ``[lo, lo + n)`` into clusters ``c0 ..``; k, v float32 ``[Hkv, n, D]``."""
         cfg = self.cfg
-        perm, s, k_rows, v_rows = cluster_block(k, v, cfg.cluster_size, cfg.rank, cfg.power_iterations)
+        perm, s, k_rows, v_rows, out_perm = cluster_block(k, v, cfg.cluster_size, cfg.rank,
+                                                          cfg.power_iterations, cfg.outliers)
         C = perm.shape[1]
         sl = slice(c0, c0 + C)
         self.counts[sl] = s.counts
@@ -149,11 +158,21 @@ class ClusterIndex:
         self.radius[:, sl] = s.radius
         self.eigval[:, sl] = s.eigval
         self.slots[:, sl] = torch.where(perm >= 0, perm + lo, perm)
+        self.out_slots[:, sl] = torch.where(out_perm >= 0, out_perm + lo, out_perm)
         self.pad_bias[sl] = torch.where(torch.arange(cfg.cluster_size) < s.counts.unsqueeze(1),
                                         0.0, float("-inf"))
         self.store.write(c0, k_rows, v_rows)
 
     # --- reads ---------------------------------------------------------------------------
     def exact_slots(self, n: int) -> tuple[int, int]:
-        """``(sink, seal_end)``: slots ``[0, sink)`` and ``[seal_end, n)`` are read exactly."""
+        """``(sink, seal_end)``: slots ``[0, sink)`` and ``[seal_end, n)`` are read exactly
+        (and, per KV head, the clusters' outliers ``extra_slots`` in between)."""
         return min(self.cfg.sink, n), self.seal_end
+
+    def exact_slot_lists(self, n: int) -> torch.Tensor:
+        """int64 ``[Hkv, E]``: every slot read exactly, per KV head, ascending (the sink, the
+        outliers, the unsealed suffix)."""
+        s0, s1 = self.exact_slots(n)
+        hkv = self.hkv
+        return torch.cat([torch.arange(s0).expand(hkv, s0), self.extra_slots,
+                          torch.arange(s1, n).expand(hkv, n - s1)], 1)

@@ -222,8 +222,12 @@ class SCSALayer:
         n = k_row.shape[1]
         qg = q_row.float().reshape(self.num_kv_heads, self.group, self.head_dim)  # [Hkv, g, D]
         s0, s1 = index.exact_slots(n)
-        k_ex = torch.cat([k_row[:, :s0], k_row[:, s1:]], 1).float()  # [Hkv, E, D]
-        v_ex = torch.cat([v_row[:, :s0], v_row[:, s1:]], 1).float()
+        if index.extra_slots.shape[1]:  # the clusters' outliers too: sink, outliers, suffix
+            at = index.exact_slot_lists(n).unsqueeze(-1).expand(-1, -1, k_row.shape[-1])  # [Hkv, E, D]
+            k_ex, v_ex = k_row.gather(1, at).float(), v_row.gather(1, at).float()
+        else:
+            k_ex = torch.cat([k_row[:, :s0], k_row[:, s1:]], 1).float()  # [Hkv, E, D]
+            v_ex = torch.cat([v_row[:, :s0], v_row[:, s1:]], 1).float()
         s_ex = torch.bmm(qg, k_ex.transpose(1, 2)) * scale  # [Hkv, g, E]
         log_exact = torch.logsumexp(s_ex, -1) if s_ex.shape[-1] else s_ex.new_full(s_ex.shape[:2], NEG_INF)
         prep = {"qg": qg, "s_ex": s_ex, "v_ex": v_ex, "log_exact": log_exact, "n": n}
@@ -298,7 +302,7 @@ class SCSALayer:
             out, sel, opened_rows = self._native_row(index, q_row, k_row, v_row, s0, s1, scale, taus)
         else:
             out, sel = self._sparse(index, self._prepare(index, q_row, k_row, v_row, scale), scale, taus)
-        self.counters["exact_rows"] += self.num_kv_heads * (s0 + n - s1)
+        self.counters["exact_rows"] += self.num_kv_heads * (s0 + n - s1 + index.extra_slots.shape[1])
         if sel is not None:
             if opened_rows is None:
                 opened_rows = int((sel.opened.long() * index.counts[:index.num_clusters]).sum())
@@ -318,13 +322,13 @@ class SCSALayer:
                    for t in (k_row, v_row)) and native.available()
 
     def _native_row(self, index: ClusterIndex, q_row, k_row, v_row, s0, s1, scale, taus):
-        """One row through ``longattn_cpu::scsa_decode`` (slots ``[0, s0)`` and ``[s1, N)``
-        exact): output ``[Hkv, g, D]``, the flat selection (the same decisions as
+        """One row through ``longattn_cpu::scsa_decode`` (slots ``[0, s0)``, the outliers and
+        ``[s1, N)`` exact): output ``[Hkv, g, D]``, the flat selection (the same decisions as
         ``select_flat``, read in one native pass) and the member rows opened (all KV heads)."""
         st, M = index.store, index.num_clusters
         out, opened, rows = torch.ops.longattn_cpu.scsa_decode(
-            q_row.float(), k_row, v_row, s0, s1, index.summ, index.resid, index.log_counts, index.radius,
-            index.vmean, index.counts, M, st.kt, st.ks, st.vi, st.vs, taus.float().contiguous(), float(scale))
+            q_row.float(), k_row, v_row, s0, s1, index.extra_slots, index.summ, index.resid, index.log_counts,
+            index.radius, index.vmean, index.counts, M, st.kt, st.ks, st.vi, st.vs, taus.float().contiguous(), float(scale))
         sel = Selection(opened, None, None, self.num_kv_heads * M)  # flat: tails = ~opened (see _accounting)
         return out.view(self.num_kv_heads, self.group, self.head_dim), sel, int(rows)
 
@@ -410,11 +414,10 @@ def _accounting(index: ClusterIndex, sel: Selection | None, n: int) -> dict:
     hkv = index.hkv
     coverage = torch.zeros(hkv, n, dtype=torch.int64)
     role = torch.full((hkv, n), -1, dtype=torch.int8)
-    s0, s1 = index.exact_slots(n)
-    for lo, hi in ((0, s0), (s1, n)):
-        coverage[:, lo:hi] += 1
-        role[:, lo:hi] = 0
-    exact = torch.full((hkv,), s0 + n - s1, dtype=torch.int64)
+    exact_slots = index.exact_slot_lists(n)  # [Hkv, E]
+    coverage.scatter_add_(1, exact_slots, torch.ones_like(exact_slots))
+    role.scatter_(1, exact_slots, 0)
+    exact = torch.full((hkv,), exact_slots.shape[1], dtype=torch.int64)
     opened_rows = torch.zeros(hkv, dtype=torch.int64)
     tail_rows = torch.zeros(hkv, dtype=torch.int64)
     if sel is not None:

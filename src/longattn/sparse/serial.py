@@ -54,8 +54,7 @@ def serial_row(cfg, index, q_row: torch.Tensor, k_row: torch.Tensor, v_row: torc
     hkv, n, D = k_row.shape
     g = q_row.shape[0] // hkv
     M = index.num_clusters
-    s0, s1 = index.exact_slots(n)
-    exact_slots = list(range(s0)) + list(range(s1, n))
+    exact_lists = index.exact_slot_lists(n).tolist()  # per KV head: sink, outliers, suffix
     out = torch.zeros(hkv, g, D, dtype=torch.float64)
     opened_all = torch.zeros(hkv, M, dtype=torch.bool)
     tails: list[list[int]] = []
@@ -64,6 +63,7 @@ def serial_row(cfg, index, q_row: torch.Tensor, k_row: torch.Tensor, v_row: torc
         qs = q_row[h * g:(h + 1) * g].float()
         q64 = qs.double()  # exact rows and tails see the full-precision query
         q_store = index.store.query_view(qs.unsqueeze(0))[0].double()  # opened rows: as packed
+        exact_slots = exact_lists[h]
         kx = k_row[h, exact_slots].double()
         vx = v_row[h, exact_slots].double()
         exact_logits = [[beta * float(q64[j] @ kx[i]) for i in range(len(exact_slots))] for j in range(g)]

@@ -5,6 +5,8 @@
 //   q          [H, D]            float32  the row's decode queries (H = Hkv * G)
 //   k, v       [Hkv, N, D]       float32  the row's whole cache (rows contiguous, any head stride)
 //   s0, s1                                slots [0, s0) and [s1, N) are read exactly
+//   extra      [Hkv, X]          int64    more slots read exactly per KV head (the clusters'
+//                                         outliers, inside [s0, s1), ascending; X may be 0)
 //   summ       [Hkv, C, 1+r, D]  float32  centroid, then sqrt(lambda) * eigenvector rows
 //   resid      [Hkv, C, D]       float32  residual diagonal variance
 //   log_counts [C]; radius [Hkv, C]; vmean [Hkv, C, D]; counts [C] int64 (members per cluster)
@@ -18,8 +20,8 @@
 //   -> (out [H, D] float32, opened [Hkv, M] bool, opened member rows over all heads: int64 scalar)
 //
 // Per KV head (phase A, heads in parallel): every cluster's tail logit a + log m and capped
-// second-cumulant log-mass estimate for each of the G query heads; exact scores of the sink and
-// unsealed rows; per query head the stop rule over the estimates sorted best first; the union of
+// second-cumulant log-mass estimate for each of the G query heads; exact scores of the sink,
+// outlier and unsealed rows; per query head the stop rule over the estimates sorted best first; the union of
 // the G prefixes is opened; unopened clusters contribute m exp(a) at their value mean.
 // Phase B reads the opened clusters: one run of about equal rows per thread (cut into items at
 // KV head boundaries), each item scoring its packed keys with integer block dots against the
@@ -346,7 +348,7 @@ void tiled_weighted_rows(const float* p, const float* const* rows, int64_t n, in
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t s0, int64_t s1,
-    const at::Tensor& summ, const at::Tensor& resid, const at::Tensor& log_counts, const at::Tensor& radius,
+    const at::Tensor& extra, const at::Tensor& summ, const at::Tensor& resid, const at::Tensor& log_counts, const at::Tensor& radius,
     const at::Tensor& vmean, const at::Tensor& counts, int64_t M, const at::Tensor& kt, const at::Tensor& ks,
     const at::Tensor& vi, const at::Tensor& vs, const at::Tensor& taus, double scale) {
   TORCH_CHECK(q.dim() == 2 && k.dim() == 3 && v.dim() == 3, "scsa_decode: q [H, D], k/v [Hkv, N, D]");
@@ -358,6 +360,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == D && k.stride(2) == 1 && k.stride(1) == D &&
               v.stride(2) == 1 && v.stride(1) == D, "scsa_decode: k/v [Hkv, N, D] with contiguous rows");
   TORCH_CHECK(0 <= s0 && s0 <= s1 && s1 <= N, "scsa_decode: need 0 <= s0 <= s1 <= N");
+  TORCH_CHECK(extra.dim() == 2 && extra.size(0) == Hkv && extra.scalar_type() == at::kLong && extra.is_contiguous(),
+              "scsa_decode: extra int64 [Hkv, X] contiguous");
+  const int64_t X = extra.size(1);
+  const int64_t* xp = extra.data_ptr<int64_t>();
+  for (int64_t i = 0; i < Hkv * X; ++i)
+    TORCH_CHECK(s0 <= xp[i] && xp[i] < s1, "scsa_decode: extra slots must lie in [s0, s1)");
   TORCH_CHECK(summ.dim() == 4 && summ.size(0) == Hkv && summ.size(3) == D && summ.size(1) >= M && M >= 0,
               "scsa_decode: summ [Hkv, C >= M, 1 + r, D]");
   const int64_t C = summ.size(1), R1 = summ.size(2);
@@ -382,7 +390,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
               "scsa_decode: counts int64, kt/vi contiguous");
   const auto qc = q.contiguous();
 
-  const int64_t G = H / Hkv, E = s0 + (N - s1), PW = D + 2;
+  const int64_t G = H / Hkv, E = s0 + X + (N - s1), PW = D + 2;
   const float beta = static_cast<float>(scale);
   const float half_b2 = static_cast<float>(0.5 * scale * scale);  // as PyTorch rounds the scalar
   const float* qp = qc.data_ptr<float>();
@@ -446,11 +454,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
           }
         }
       }
-      // exact rows: sinks then the unsealed suffix
+      // exact rows: sinks, the outliers, then the unsealed suffix
       const float* kh = kp + h * k_hs;
       const float* vh = vp + h * v_hs;
       for (int64_t e = 0; e < E; ++e) {
-        const int64_t slot = e < s0 ? e : s1 + (e - s0);
+        const int64_t slot = e < s0 ? e : e < s0 + X ? xp[h * X + e - s0] : s1 + (e - s0 - X);
         rows[e] = kh + slot * D;
         vrows[e] = vh + slot * D;
       }
@@ -629,7 +637,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(longattn_cpu, m) {
-  m.def("scsa_decode(Tensor q, Tensor k, Tensor v, int s0, int s1, Tensor summ, Tensor resid, "
+  m.def("scsa_decode(Tensor q, Tensor k, Tensor v, int s0, int s1, Tensor extra, Tensor summ, Tensor resid, "
         "Tensor log_counts, Tensor radius, Tensor vmean, Tensor counts, int M, Tensor kt, Tensor ks, "
         "Tensor vi, Tensor vs, Tensor taus, float scale) -> (Tensor, Tensor, Tensor)");
 }
