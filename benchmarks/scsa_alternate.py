@@ -3,8 +3,8 @@
 scsa_decode.py times each arm in one long run after the other; on a shared host whose speed
 drifts by tens of percent over minutes that is not enough to trust a ratio. Here both compiled
 static decoders (dense, and SCSA on every layer) start from the same prefix cache and take
-turns: ``--rounds`` rounds of ``--block`` steps each. ``--cluster-sizes`` and ``--tolerances``
-add one SCSA arm per value (their product); where the CPU has AVX-512 VNNI each round runs once
+turns: ``--rounds`` rounds of ``--block`` steps each. ``--cluster-sizes``, ``--tolerances`` and
+``--outliers`` add one SCSA arm per value (their product); where the CPU has AVX-512 VNNI each round runs once
 with the kernels' AVX2 forms and once with their AVX-512 forms (native.avx512; ``--forms``
 picks one), so the forms are compared in the same way. Every arm first takes ``--calib`` + 8
 untimed steps (SCSA calibrates there, fresh index per context), so all arms then decode the
@@ -92,6 +92,9 @@ def main():
                          "path, slow): what packing alone, and rounding alone, do to agreement")
     ap.add_argument("--cluster-sizes", nargs="+", type=int, default=[128],
                     help="one SCSA arm per SCSAConfig.cluster_size (all alternated with dense)")
+    ap.add_argument("--outliers", nargs="+", type=int, default=[0],
+                    help="one SCSA arm per SCSAConfig.outliers (keys per cluster read exactly; times the "
+                         "cluster sizes and tolerances)")
     ap.add_argument("--forms", choices=["both", "avx2", "avx512"], default="both",
                     help="native kernel forms to time (avx512 only where the CPU has it)")
     ap.add_argument("--threads", type=int, default=2)
@@ -111,13 +114,13 @@ def main():
     steps = warm + args.rounds * len(forms) * args.block
     max_len = contexts[0] + steps + 1
     decs = {"dense": StaticDecoder(model, AttentionPolicy.from_config(ck.config), max_len=max_len, dynamic=True)}
-    arms = [(cs, tol) for cs in args.cluster_sizes for tol in args.tolerances]
+    arms = [(cs, tol, o) for cs in args.cluster_sizes for tol in args.tolerances for o in args.outliers]
     sparse_arms = {}
-    for cs, tol in arms:
+    for cs, tol, o in arms:
         name = "sparse" + (f"-{cs}" if len(args.cluster_sizes) > 1 else "") + \
-            (f"@{tol:g}" if len(args.tolerances) > 1 else "")
+            (f"@{tol:g}" if len(args.tolerances) > 1 else "") + (f"+out{o}" if len(args.outliers) > 1 else "")
         scsa = SCSAConfig(min_context=0, calib_steps=args.calib, tolerance=tol, calib_metric=args.metric,
-                          cluster_size=cs)
+                          cluster_size=cs, outliers=o)
         sparse_arms[name] = tol
         decs[name] = StaticDecoder(model, build_sparse_policy(ck.config, scsa), max_len=max_len, dynamic=True)
     if args.controls:  # tau 0, no calibration: every cluster opened, so no tail at all
@@ -162,19 +165,23 @@ def main():
         for arm in sparse_arms:
             layers = list(decs[arm].sparse.layers.values())
             opened = sum(sc.counters["opened_rows"] for sc in layers)
+            outlier_rows = sum(sc.counters["outlier_rows"] for sc in layers)
             calib = decs[arm].sparse.cfg.calib_steps
             sparse_calls = sum(sc.counters["calls"] for sc in layers) - calib * len(layers)
             judged = [p for p in top[arm] if p >= L + args.calib]
             agree = sum(top[arm][p] == top["dense"][p] for p in judged)
             # control: calibration steps attend exactly (another dense kernel, other rounding)
             calib_agree = sum(top[arm][p] == top["dense"][p] for p in range(L, L + calib))
+            # the cache grows by one row a step: its mean length over the judged calls
+            rows_per_call = max(1, sparse_calls * ck.config.num_kv_heads * (L + args.calib + len(judged) / 2))
             row = {"context": L, "arm": arm, "cluster_size": decs[arm].sparse.cfg.cluster_size,
+                   "outliers": decs[arm].sparse.cfg.outliers,
                    "tolerance": sparse_arms[arm], "timed_steps_per_arm": args.rounds * len(forms) * args.block,
                    "agreement": agree / len(judged), "agreed_steps": agree, "judged_steps": len(judged),
                    "calibration_steps_agreeing": calib_agree, "calibration_steps": calib,
-                   # the cache grows by one row a step: its mean length over the judged calls
-                   "opened_fraction": opened / max(1, sparse_calls * ck.config.num_kv_heads
-                                                   * (L + args.calib + len(judged) / 2)),
+                   "opened_fraction": opened / rows_per_call,
+                   # keys read exactly because they are clusters' outliers (sink and suffix not counted)
+                   "outlier_fraction": outlier_rows / rows_per_call,
                    # heads that attend exactly (no tau meets the tolerance) hold no tau
                    "tau_median": statistics.median([t for sc in layers for t in sc.tau_values() if t is not None]
                                                    or [0.0]),
@@ -185,14 +192,16 @@ def main():
                 d, s = statistics.median(samples[("dense", f)]), statistics.median(samples[(arm, f)])
                 row[tag] = {"dense_ms": 1e3 * d, "sparse_ms": 1e3 * s, "speedup": d / s}
                 msg += f" | {tag}: dense {1e3 * d:6.1f} ms SCSA {1e3 * s:6.1f} ms  {d / s:4.2f}x"
-            print(msg + f" | opened {100 * row['opened_fraction']:.0f}% | agreement {agree}/{len(judged)} "
+            print(msg + f" | opened {100 * row['opened_fraction']:.0f}% + outliers "
+                  f"{100 * row['outlier_fraction']:.0f}% | agreement {agree}/{len(judged)} "
                   f"(exact calibration steps {calib_agree}/{calib})",
                   flush=True)
             rows.append(row)
     RESULTS.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "model": args.model, "weights": args.weights, "threads": args.threads, "rounds": args.rounds,
-        "block": args.block, "tolerances": args.tolerances, "metric": args.metric, "cpu": cpu_description(),
+        "block": args.block, "tolerances": args.tolerances, "outliers": args.outliers, "metric": args.metric,
+        "cpu": cpu_description(),
         "rows": rows}, indent=1))
     print(f"wrote {args.out}")
 

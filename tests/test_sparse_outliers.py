@@ -88,6 +88,7 @@ def test_a_planted_far_key_is_read_exactly():
         assert bool((acc["role"][:, slot] == 0).all())
         assert torch.equal(acc["coverage"], torch.ones_like(acc["coverage"]))
         assert torch.equal(acc["exact_rows"], torch.full((HKV,), 4 + index.extra_slots.shape[1] + n - index.seal_end))
+        assert layer.counters["outlier_rows"] == HKV * index.extra_slots.shape[1] > 0
     # without outliers the same key stays in its cluster (opened or in its tail, never exact)
     layer = SCSALayer(small_cfg(tau_default=0.3), H, HKV, D)
     layer.attend(q, k, v, scale)

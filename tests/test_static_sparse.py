@@ -50,8 +50,8 @@ def static_logits(dec, ids, n):
 
 
 def counters(layers):
-    return {k: sum(sc.counters[k] for sc in layers) for k in ("opened_rows", "exact_rows", "clusters_scored",
-                                                                  "calls", "rebuilds")}
+    return {k: sum(sc.counters[k] for sc in layers) for k in ("opened_rows", "exact_rows", "outlier_rows",
+                                                                  "clusters_scored", "calls", "rebuilds")}
 
 
 def tol_from_dense(m, ids):

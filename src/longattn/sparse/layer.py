@@ -31,7 +31,8 @@ from .serial import serial_row
 
 MAX_HEAD_DIM = 512
 PAD_WASTE = 1.3  # read padded batches only while they cost at most this much more than needed
-COUNTER_NAMES = ("rebuilds", "opened_rows", "exact_rows", "clusters_scored", "calls")
+# outlier_rows: the part of exact_rows that are clusters' outliers (SCSAConfig.outliers)
+COUNTER_NAMES = ("rebuilds", "opened_rows", "exact_rows", "outlier_rows", "clusters_scored", "calls")
 
 
 class SCSALayer:
@@ -303,6 +304,7 @@ class SCSALayer:
         else:
             out, sel = self._sparse(index, self._prepare(index, q_row, k_row, v_row, scale), scale, taus)
         self.counters["exact_rows"] += self.num_kv_heads * (s0 + n - s1 + index.extra_slots.shape[1])
+        self.counters["outlier_rows"] += self.num_kv_heads * index.extra_slots.shape[1]
         if sel is not None:
             if opened_rows is None:
                 opened_rows = int((sel.opened.long() * index.counts[:index.num_clusters]).sum())
