@@ -14,7 +14,8 @@ head_dim 64, float32; sparse.synthetic):
     next to no arithmetic, so fused-dense ÷ read-floor says how far the dense kernel is from
     this host's read rate (both from whatever cache level holds the buffers: the host's L3
     may hold a 32K head's 33.5 MB, a model step's whole cache it does not).
-Fixed thresholds (no calibration) so every arm reads the same thing each call.
+Fixed thresholds (no calibration) so every arm reads the same thing each call. ``--outliers``
+adds native arms ``...+outK`` (SCSAConfig.outliers = K: each cluster's K farthest keys read exactly).
 
     python benchmarks/scsa_call.py --threads 2 [--sizes 4096 32768] [--taus 0.02 0.16] [--copies 12]
 
@@ -60,6 +61,8 @@ def main():
     ap.add_argument("--copies", type=int, default=1,
                     help="cycle the calls through this many copies of the cache (past L3: cold reads)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--outliers", nargs="+", type=int, default=[0],
+                    help="native SCSA arms per SCSAConfig.outliers value (the PyTorch arm keeps 0)")
     ap.add_argument("--out", default=str(RESULTS / "scsa_call.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -80,15 +83,18 @@ def main():
         none = cache.k[:, :, :0]
         layers, form = {}, {}
         natives = {"scsa-native-avx2": False, "scsa-native-avx512": True} if wide else {"scsa-native": None}
+        tag = (lambda o: f"+out{o}") if len(args.outliers) > 1 else (lambda o: "")  # noqa: E731
         for tau in args.taus:
-            for arm, nat in [(a, True) for a in natives] + [("scsa-torch", False)]:
+            for arm, nat, o in [(a + tag(o), True, o) for a in natives for o in args.outliers] + \
+                    [("scsa-torch", False, 0)]:
                 per_copy = []
                 for k, v in bufs:
-                    layer = SCSALayer(SCSAConfig(min_context=0, calib_steps=0, tau_default=tau, native=nat), H, HKV, D)
+                    layer = SCSALayer(SCSAConfig(min_context=0, calib_steps=0, tau_default=tau, native=nat,
+                                                 outliers=o), H, HKV, D)
                     layer.attend(qs[0], k, v, scale)  # builds the index, untimed
                     per_copy.append(layer)
                 layers[(arm, tau)] = per_copy
-                form[f"{arm}@{tau}"] = natives.get(arm)
+                form[f"{arm}@{tau}"] = natives.get(arm.split("+")[0])
         arms = {f"{arm}@{tau}": (lambda i, Ls=per_copy: Ls[i % len(Ls)].attend(qs[i], *kv(i), scale))
                 for (arm, tau), per_copy in layers.items()}
         fused = lambda i: torch.ops.longattn_cpu.decode_attention(  # noqa: E731
@@ -110,7 +116,7 @@ def main():
         for (arm, tau), per_copy in layers.items():
             if arm.startswith("scsa-native"):
                 rows_, calls = (sum(L.counters[c] for L in per_copy) for c in ("opened_rows", "calls"))
-                opened[tau] = rows_ / calls / (HKV * n)
+                opened[f"{arm}@{tau}"] = rows_ / calls / (HKV * n)
         row = {"rows": n, "ms": {a: 1e3 * t for a, t in med.items()}, "opened_fraction": opened,
                "speedup_vs_fused_dense": {a: med["fused-dense"] / t for a, t in med.items()},
                "dense_read_gb_s": {a: 2 * cache.k.nbytes / med[a] / 1e9 for a in med
@@ -118,10 +124,10 @@ def main():
         rows.append(row)
         print(f"N={n}: " + "  ".join(f"{a} {1e3 * t:.3f} ms" for a, t in med.items()), flush=True)
         print("   reads " + ", ".join(f"{a} {r:.1f} GB/s" for a, r in row["dense_read_gb_s"].items()), flush=True)
-        print("   opened " + "  ".join(f"tau {t}: {100 * f:.1f}%" for t, f in opened.items()), flush=True)
+        print("   opened " + "  ".join(f"{a}: {100 * f:.1f}%" for a, f in opened.items()), flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"threads": args.threads, "cpu": cpu_description(), "shape": [H, HKV, D],
-                                          "calls": args.calls, "copies": args.copies,
+                                          "calls": args.calls, "copies": args.copies, "outliers": args.outliers,
                                           "repeats": args.repeats, "rows": rows}, indent=1))
     print(f"wrote {args.out}")
 

@@ -108,7 +108,8 @@ def opened_fraction(before: dict, after: dict, kv_heads: int, context_sum: int) 
 
 def sparse_cfg(args, packing: str, calib: int) -> SCSAConfig:
     return SCSAConfig(min_context=args.min_context, calib_steps=calib, tolerance=args.tolerance,
-                      packing=packing, calib_metric=args.metric, cluster_size=args.cluster_size)
+                      packing=packing, calib_metric=args.metric, cluster_size=args.cluster_size,
+                      outliers=args.outliers)
 
 
 def nll(model, cache, policy, first: int, cont: list) -> float:
@@ -253,6 +254,7 @@ def main() -> int:
     ap.add_argument("--packings", nargs="+", default=["q8_0", "f16"])
     ap.add_argument("--metric", choices=["head", "group"], default="head", help="SCSAConfig.calib_metric")
     ap.add_argument("--cluster-size", type=int, default=128)
+    ap.add_argument("--outliers", type=int, default=0, help="SCSAConfig.outliers (keys per cluster read exactly)")
     ap.add_argument("--min-context", type=int, default=0)
     ap.add_argument("--tasks", nargs="*", default=list(RETRIEVAL_TASKS))
     ap.add_argument("--samples", type=int, default=2, help="retrieval prompts per task")
@@ -279,6 +281,7 @@ def main() -> int:
     dense_pol = AttentionPolicy.from_config(ck.config)
     cache = KVCache(ck.config, 1)
     out = {"model": args.model, "dtype": "bfloat16", "metric": args.metric, "cluster_size": args.cluster_size,
+           "outliers": args.outliers,
            "tolerances": args.tolerances, "packings": args.packings, "min_context": args.min_context,
            "retrieval_calib": args.retrieval_calib, "controls": args.controls,
            "opened_fraction_definition": "opened_rows / (calls * kv_heads * cache length), after calibration",

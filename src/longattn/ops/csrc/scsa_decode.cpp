@@ -462,12 +462,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
         rows[e] = kh + slot * D;
         vrows[e] = vh + slot * D;
       }
+      // Every query head reads each block of rows while it is in L1 (8 key rows, then 32 value
+      // rows, for all G heads): with the clusters' outliers E reaches thousands of scattered
+      // rows, and one pass per head over all of them went to memory G times. Per head the
+      // arithmetic and its order are those of one pass per head (tiled_weighted_rows).
+      int64_t e8 = 0;
+      for (; e8 + 8 <= E; e8 += 8)
+        for (int64_t g = 0; g < G; ++g) dot8(qh + g * D, rows.data() + e8, D, sx.data() + g * E + e8);
       for (int64_t g = 0; g < G; ++g) {
         float* sg = sx.data() + g * E;
-        int64_t e = 0;
-        for (; e + 8 <= E; e += 8) dot8(qh + g * D, rows.data() + e, D, sg + e);
-        for (; e < E; ++e) sg[e] = dot(qh + g * D, rows[e], D);
-        for (e = 0; e < E; ++e) sg[e] *= beta;
+        for (int64_t e = e8; e < E; ++e) sg[e] = dot(qh + g * D, rows[e], D);
+        for (int64_t e = 0; e < E; ++e) sg[e] *= beta;
         Part ex{head_parts.data() + ((h * G + g) * 2) * PW};
         ex.clear(D);
         if (E == 0) {
@@ -479,8 +484,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
         lex[g] = m + std::log(l);
         ex.p[0] = m;
         ex.p[1] = l;
-        tiled_weighted_rows(sg, vrows.data(), E, D, ex.p + 2, tmp.data());
       }
+      for (int64_t r0 = 0; r0 < E; r0 += 32)
+        for (int64_t g = 0; g < G; ++g) {
+          std::fill(tmp.begin(), tmp.end(), 0.0f);
+          weighted_rows(sx.data() + g * E + r0, vrows.data() + r0, std::min<int64_t>(32, E - r0), D, tmp.data());
+          axpy(1.0f, tmp.data(), head_parts.data() + ((h * G + g) * 2) * PW + 2, D);
+        }
       // stop rule per query head (kernel.stop_counts: float32 terms, sums in double as torch's
       // cumsum accumulates them), union of the prefixes
       bool* op = openp + h * M;
