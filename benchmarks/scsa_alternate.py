@@ -92,7 +92,7 @@ def main():
                          "path, slow): what packing alone, and rounding alone, do to agreement")
     ap.add_argument("--cluster-sizes", nargs="+", type=int, default=[128],
                     help="one SCSA arm per SCSAConfig.cluster_size (all alternated with dense)")
-    ap.add_argument("--outliers", nargs="+", type=int, default=[0],
+    ap.add_argument("--outliers", nargs="+", type=int, default=[SCSAConfig().outliers],
                     help="one SCSA arm per SCSAConfig.outliers (keys per cluster read exactly; times the "
                          "cluster sizes and tolerances)")
     ap.add_argument("--forms", choices=["both", "avx2", "avx512"], default="both",

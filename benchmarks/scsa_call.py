@@ -61,8 +61,8 @@ def main():
     ap.add_argument("--copies", type=int, default=1,
                     help="cycle the calls through this many copies of the cache (past L3: cold reads)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--outliers", nargs="+", type=int, default=[0],
-                    help="native SCSA arms per SCSAConfig.outliers value (the PyTorch arm keeps 0)")
+    ap.add_argument("--outliers", nargs="+", type=int, default=[SCSAConfig().outliers],
+                    help="native SCSA arms per SCSAConfig.outliers value (the PyTorch arm: none)")
     ap.add_argument("--out", default=str(RESULTS / "scsa_call.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -113,7 +113,9 @@ def run(args, L: int, CAL: int, TOL: float) -> int:
         for no in ARMS:
             N_OUT[0] = no
             truncate(cache, L)
-            pol = build_sparse_policy(ck.config, SCSAConfig(min_context=0, calib_steps=CAL, tolerance=TOL, calib_metric="group"))
+            # outliers=0: this prototype takes its own outliers out (the operator's predate it)
+            pol = build_sparse_policy(ck.config, SCSAConfig(min_context=0, calib_steps=CAL, tolerance=TOL,
+                                                            calib_metric="group", outliers=0))
             for i in range(CAL):
                 step(model, cache, pol, ids[L + i])
             taus[no] = retune(pol, TOL)
@@ -136,7 +138,8 @@ def run(args, L: int, CAL: int, TOL: float) -> int:
             rec = {"seed": 42 + s, "dense": dec(d), "dense_score": T.score(smp, dec(d))}
             for no in ARMS:
                 N_OUT[0] = no
-                pol = build_sparse_policy(ck.config, SCSAConfig(min_context=0, calib_steps=0, tolerance=TOL, calib_metric="group"))
+                pol = build_sparse_policy(ck.config, SCSAConfig(min_context=0, calib_steps=0, tolerance=TOL,
+                                                                calib_metric="group", outliers=0))
                 preset_taus(pol, ck.config, taus[no])
                 a = greedy(model, cache, pol, pid[-1], smp.max_new_tokens, "", nop, stop, settle)
                 truncate(cache, n0)

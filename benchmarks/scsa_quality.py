@@ -254,7 +254,8 @@ def main() -> int:
     ap.add_argument("--packings", nargs="+", default=["q8_0", "f16"])
     ap.add_argument("--metric", choices=["head", "group"], default="head", help="SCSAConfig.calib_metric")
     ap.add_argument("--cluster-size", type=int, default=128)
-    ap.add_argument("--outliers", type=int, default=0, help="SCSAConfig.outliers (keys per cluster read exactly)")
+    ap.add_argument("--outliers", type=int, default=SCSAConfig().outliers,
+                    help="SCSAConfig.outliers (keys per cluster read exactly)")
     ap.add_argument("--min-context", type=int, default=0)
     ap.add_argument("--tasks", nargs="*", default=list(RETRIEVAL_TASKS))
     ap.add_argument("--samples", type=int, default=2, help="retrieval prompts per task")

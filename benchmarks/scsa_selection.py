@@ -98,7 +98,7 @@ def bench_selection(n: int, regime: str, queries: int, repeats: int, tau: float,
     group = QWEN_HEADS // QWEN_KV
     qs = cache.queries(queries, group, seed=3, **spec["queries"])  # [Q, 1, g, 1, D]
     cfg = SCSAConfig(min_context=0, calib_steps=0, tau_default=tau, hierarchical=True, tree_order=tree_order,
-                     cluster_size=cluster_size)
+                     cluster_size=cluster_size, outliers=0)  # committed results predate outliers
     layer = SCSALayer(cfg, group, 1, HEAD_DIM)
     t0 = time.perf_counter()
     layer.attend(qs[0], cache.k, cache.v, HEAD_DIM ** -0.5)  # builds the index and the tree
@@ -177,7 +177,7 @@ def bench_attend(n: int, regime: str, queries: int, repeats: int, calib_steps: i
     layers = {}
     calib_s = {}
     for name, hierarchical in (("flat", False), ("hier", True)):
-        layer = SCSALayer(SCSAConfig(min_context=0, calib_steps=calib_steps, hierarchical=hierarchical),
+        layer = SCSALayer(SCSAConfig(min_context=0, calib_steps=calib_steps, hierarchical=hierarchical, outliers=0),
                           QWEN_HEADS, QWEN_KV, HEAD_DIM)
         t0 = time.perf_counter()
         for q in calib:

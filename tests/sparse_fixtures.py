@@ -20,8 +20,10 @@ from longattn.sparse import SCSAConfig
 from longattn.sparse.synthetic import synthetic_cache
 
 # Tiny clusters/blocks so ~1K-token caches seal several blocks; always sparse from the first call.
+# No outliers unless a test asks (the default 8 would be half of a 16-key cluster); the tests of
+# the invariants parametrize them in.
 SMALL = dict(cluster_size=16, rebuild_interval=64, block_size=256, sink=4, recent=8, min_context=0,
-             calib_steps=0)
+             calib_steps=0, outliers=0)
 
 
 @pytest.fixture(autouse=True)

@@ -27,8 +27,7 @@ from sparse_fixtures import one_thread  # noqa: F401  (autouse)
     (dict(tree_fanout=1), "tree_fanout"),
     (dict(tree_order="time"), "tree_order"),
     (dict(calib_metric="max"), "calib_metric must be one of head, group"),
-    (dict(outliers=-1), "outliers must be in 0..cluster_size // 2 (64)"),
-    (dict(outliers=9, cluster_size=16, block_size=256, rebuild_interval=64), "outliers must be in 0..cluster_size // 2 (8)"),
+    (dict(outliers=-1), "outliers must be >= 0"),
 ])
 def test_config_rejects_bad_settings(kwargs, needle):
     with pytest.raises(LongattnError) as e:

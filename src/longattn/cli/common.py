@@ -49,8 +49,8 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sparse-tolerance", type=float, default=argparse.SUPPRESS, metavar="T",
                    help="sparse: calibration's median relative output error per head (default: 0.025)")
     p.add_argument("--sparse-outliers", type=int, default=argparse.SUPPRESS, metavar="K",
-                   help="sparse: keys per cluster, farthest from its centroid, always read exactly "
-                        "(default: 0)")
+                   help="sparse: keys per cluster, farthest from its centroid, always read exactly; "
+                        "0 = none (default: 8)")
 
 
 def add_json_arg(p: argparse.ArgumentParser) -> None:

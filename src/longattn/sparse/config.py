@@ -46,9 +46,11 @@ class SCSAConfig:
         recent: newest positions always attended exactly (plus the not-yet-rebuilt part).
         outliers: keys per cluster, the farthest from its centroid, taken out of the cluster
             when its block is built and attended exactly on every call (at most half of a
-            cluster's members). The cluster's summaries, tail and packed rows then describe
-            only the rest: a far member is where the closed-form tail and the ranking err most.
-            0 (default) keeps every member in its cluster.
+            cluster's members: ``min(outliers, m // 2)``). The cluster's summaries, tail and
+            packed rows then describe only the rest: a far member is where the closed-form
+            tail and the ranking err most. 0 keeps every member in its cluster. Default 8
+            (6.25% of a 128-key cluster): on Qwen2.5-0.5B variable tracking at 4K went from
+            1/8 to 5/8 answers identical to dense, for ~13% of SCSA's step at 32K.
         calib_steps: decode calls (with an index) run exactly while calibrating tau.
         tolerance: target median relative output error per head during calibration.
         tau_default: threshold before calibration ends and for heads never calibrated.
@@ -79,7 +81,7 @@ class SCSAConfig:
     block_size: int = 4096
     sink: int = 4
     recent: int = 32
-    outliers: int = 0
+    outliers: int = 8
     calib_steps: int = 32
     tolerance: float = 0.025
     tau_default: float = 0.05
@@ -119,8 +121,8 @@ class SCSAConfig:
                 f"({self.rebuild_interval}) so blocks freeze at a rebuild")
         if self.sink < 0 or self.recent < 0:
             bad(f"sink and recent must be >= 0, got sink={self.sink} recent={self.recent}")
-        if not 0 <= self.outliers <= self.cluster_size // 2:
-            bad(f"outliers must be in 0..cluster_size // 2 ({self.cluster_size // 2}), got {self.outliers}")
+        if self.outliers < 0:
+            bad(f"outliers must be >= 0 (keys per cluster read exactly; 0 = none), got {self.outliers}")
         if self.calib_steps < 0:
             bad(f"calib_steps must be >= 0, got {self.calib_steps}")
         if not self.tolerance > 0:

@@ -330,7 +330,8 @@ class SCSALayer:
         st, M = index.store, index.num_clusters
         out, opened, rows = torch.ops.longattn_cpu.scsa_decode(
             q_row.float(), k_row, v_row, s0, s1, index.extra_slots, index.summ, index.resid, index.log_counts,
-            index.radius, index.vmean, index.counts, M, st.kt, st.ks, st.vi, st.vs, taus.float().contiguous(), float(scale))
+            index.radius, index.vmean, index.counts, M, st.kt, st.ks, st.vi, st.vs, taus.float().contiguous(),
+            float(scale))
         sel = Selection(opened, None, None, self.num_kv_heads * M)  # flat: tails = ~opened (see _accounting)
         return out.view(self.num_kv_heads, self.group, self.head_dim), sel, int(rows)
 
