@@ -21,8 +21,8 @@
 //
 // Per KV head (phase A, heads in parallel): every cluster's tail logit a + log m and capped
 // second-cumulant log-mass estimate for each of the G query heads; exact scores of the sink,
-// outlier and unsealed rows; per query head the stop rule over the estimates sorted best first; the union of
-// the G prefixes is opened; unopened clusters contribute m exp(a) at their value mean.
+// outlier and unsealed rows; per query head the stop rule over the estimates sorted best first;
+// the union of the G prefixes is opened; unopened clusters contribute m exp(a) at their value mean.
 // Phase B reads the opened clusters: one run of about equal rows per thread (cut into items at
 // KV head boundaries), each item scoring its packed keys with integer block dots against the
 // query quantized once (q8_0 x q8_0, exact in int32; 8-row tiles, all query heads per key load),
@@ -348,9 +348,9 @@ void tiled_weighted_rows(const float* p, const float* const* rows, int64_t n, in
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t s0, int64_t s1,
-    const at::Tensor& extra, const at::Tensor& summ, const at::Tensor& resid, const at::Tensor& log_counts, const at::Tensor& radius,
-    const at::Tensor& vmean, const at::Tensor& counts, int64_t M, const at::Tensor& kt, const at::Tensor& ks,
-    const at::Tensor& vi, const at::Tensor& vs, const at::Tensor& taus, double scale) {
+    const at::Tensor& extra, const at::Tensor& summ, const at::Tensor& resid, const at::Tensor& log_counts,
+    const at::Tensor& radius, const at::Tensor& vmean, const at::Tensor& counts, int64_t M, const at::Tensor& kt,
+    const at::Tensor& ks, const at::Tensor& vi, const at::Tensor& vs, const at::Tensor& taus, double scale) {
   TORCH_CHECK(q.dim() == 2 && k.dim() == 3 && v.dim() == 3, "scsa_decode: q [H, D], k/v [Hkv, N, D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "scsa_decode: q, k, v must be float32");
@@ -647,8 +647,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(longattn_cpu, m) {
-  m.def("scsa_decode(Tensor q, Tensor k, Tensor v, int s0, int s1, Tensor extra, Tensor summ, Tensor resid, "
-        "Tensor log_counts, Tensor radius, Tensor vmean, Tensor counts, int M, Tensor kt, Tensor ks, "
+  m.def("scsa_decode(Tensor q, Tensor k, Tensor v, int s0, int s1, Tensor extra, Tensor summ, "
+        "Tensor resid, Tensor log_counts, Tensor radius, Tensor vmean, Tensor counts, int M, Tensor kt, Tensor ks, "
         "Tensor vi, Tensor vs, Tensor taus, float scale) -> (Tensor, Tensor, Tensor)");
 }
 
