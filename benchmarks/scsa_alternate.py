@@ -4,9 +4,9 @@ scsa_decode.py times each arm in one long run after the other; on a shared host 
 drifts by tens of percent over minutes that is not enough to trust a ratio. Here both compiled
 static decoders (dense, and SCSA on every layer) start from the same prefix cache and take
 turns: ``--rounds`` rounds of ``--block`` steps each. ``--cluster-sizes``, ``--tolerances`` and
-``--outliers`` add one SCSA arm per value (their product); where the CPU has AVX-512 VNNI each round runs once
-with the kernels' AVX2 forms and once with their AVX-512 forms (native.avx512; ``--forms``
-picks one), so the forms are compared in the same way. Every arm first takes ``--calib`` + 8
+``--outliers`` add one SCSA arm per value (their product); where the CPU has AVX-512 VNNI each
+round runs once with the kernels' AVX2 forms and once with their AVX-512 forms (native.avx512;
+``--forms`` picks one), so the forms are compared in the same way. Every arm first takes ``--calib`` + 8
 untimed steps (SCSA calibrates there, fresh index per context), so all arms then decode the
 same positions.
 
