@@ -71,6 +71,21 @@ def test_summaries_and_rows_describe_the_kept_members():
     assert torch.allclose(s.centroid, kept_mean, rtol=0, atol=1e-5)
 
 
+def test_a_setting_above_half_a_cluster_is_capped():
+    """outliers > cluster_size // 2 takes half of each cluster (not an error: the default 8 must
+    work with small clusters too)."""
+    H, n = 4, 700
+    q, k, v, scale = attn_case(n, H, HKV, D, seed=4)
+    layer = SCSALayer(small_cfg(tau_default=0.05, outliers=40), H, HKV, D)
+    big = layer.attend(q, k, v, scale)
+    half = SCSALayer(small_cfg(tau_default=0.05, outliers=8), H, HKV, D)  # cluster_size 16
+    assert torch.equal(big, half.attend(q, k, v, scale))
+    index = layer.indexes[0]
+    assert torch.equal(index.extra_slots, half.indexes[0].extra_slots) and index.out_slots.shape[-1] == 8
+    (acc,) = layer.debug_accounting()
+    assert torch.equal(acc["coverage"], torch.ones_like(acc["coverage"]))
+
+
 def test_a_planted_far_key_is_read_exactly():
     """A key far from everything (and aligned with the query) sits in some cluster; with one
     outlier per cluster it leaves its cluster and is attended exactly on every call, at any tau."""

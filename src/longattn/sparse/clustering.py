@@ -176,6 +176,12 @@ def outlier_counts(counts: torch.Tensor, outliers: int) -> torch.Tensor:
     return torch.minimum(torch.full_like(counts, outliers), counts // 2)
 
 
+def outlier_width(outliers: int, cluster_size: int) -> int:
+    """Most outliers one cluster can give (``min(outliers, cluster_size // 2)``): the width of
+    the per-cluster outlier tables."""
+    return min(outliers, cluster_size // 2)
+
+
 def take_outliers(keys: torch.Tensor, perm: torch.Tensor, counts: torch.Tensor,
                   outliers: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Take each cluster's members farthest from its centroid out of it.
@@ -216,8 +222,8 @@ def cluster_block(keys: torch.Tensor, values: torch.Tensor, cluster_size: int, r
         ``(perm, summaries, k_rows, v_rows, out_perm)``: ``perm`` int64 ``[Hkv, C, cs]``
         block-relative row of each cluster member (-1 = padding), the member rows
         ``[Hkv, C, cs, D]`` (zero padded) ready for packing, and ``out_perm`` int64
-        ``[Hkv, C, outliers]`` the block rows taken out as outliers (-1 = none). Summaries and
-        rows describe the members that stay.
+        ``[Hkv, C, outlier_width(outliers, cs)]`` the block rows taken out as outliers
+        (-1 = none). Summaries and rows describe the members that stay.
     """
     hkv, n, D = keys.shape
     order, sizes = split_block(keys, cluster_size)
@@ -239,6 +245,7 @@ def cluster_block(keys: torch.Tensor, values: torch.Tensor, cluster_size: int, r
         return k_rows, v_rows
 
     k_rows, v_rows = rows_of(perm)
+    outliers = outlier_width(outliers, cluster_size)  # a setting above half a cluster is capped
     out_perm = perm.new_full((hkv, C, outliers), -1)
     if outliers:
         within, out_perm, counts = take_outliers(k_rows, perm, counts, outliers)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .clustering import cluster_block
+from .clustering import cluster_block, outlier_width
 from .config import SCSAConfig
 from .packing import make_store
 from .tree import ClusterTree, build_tree
@@ -53,7 +53,8 @@ class ClusterIndex:
         self.eigval = torch.zeros(hkv, 0, r)                   # [Hkv, C, r]
         self.slots = torch.zeros(hkv, 0, cs, dtype=torch.int64)  # [Hkv, C, cs], -1 = padding
         self.pad_bias = torch.zeros(0, cs)                     # [C, cs]: 0 member, -inf padding
-        self.out_slots = torch.zeros(hkv, 0, cfg.outliers, dtype=torch.int64)  # [Hkv, C, o], -1 = none
+        o = outlier_width(cfg.outliers, cs)
+        self.out_slots = torch.zeros(hkv, 0, o, dtype=torch.int64)  # [Hkv, C, o], -1 = none
         self.store = make_store(cfg.packing, hkv, cs, d)
         self.tree: ClusterTree | None = None
         self._fingerprint: tuple[torch.Tensor, torch.Tensor] | None = None
