@@ -223,12 +223,10 @@ class SCSALayer:
         n = k_row.shape[1]
         qg = q_row.float().reshape(self.num_kv_heads, self.group, self.head_dim)  # [Hkv, g, D]
         s0, s1 = index.exact_slots(n)
-        if index.extra_slots.shape[1]:  # the clusters' outliers too: sink, outliers, suffix
-            at = index.exact_slot_lists(n).unsqueeze(-1).expand(-1, -1, k_row.shape[-1])  # [Hkv, E, D]
-            k_ex, v_ex = k_row.gather(1, at).float(), v_row.gather(1, at).float()
-        else:
-            k_ex = torch.cat([k_row[:, :s0], k_row[:, s1:]], 1).float()  # [Hkv, E, D]
-            v_ex = torch.cat([v_row[:, :s0], v_row[:, s1:]], 1).float()
+        at = index.extra_slots.unsqueeze(-1).expand(-1, -1, k_row.shape[-1])  # the outliers [Hkv, X, D]
+        # sink, outliers, suffix: the order of every path's exact rows
+        k_ex = torch.cat([k_row[:, :s0], k_row.gather(1, at), k_row[:, s1:]], 1).float()  # [Hkv, E, D]
+        v_ex = torch.cat([v_row[:, :s0], v_row.gather(1, at), v_row[:, s1:]], 1).float()
         s_ex = torch.bmm(qg, k_ex.transpose(1, 2)) * scale  # [Hkv, g, E]
         log_exact = torch.logsumexp(s_ex, -1) if s_ex.shape[-1] else s_ex.new_full(s_ex.shape[:2], NEG_INF)
         prep = {"qg": qg, "s_ex": s_ex, "v_ex": v_ex, "log_exact": log_exact, "n": n}
