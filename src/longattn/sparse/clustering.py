@@ -203,9 +203,8 @@ def take_outliers(keys: torch.Tensor, perm: torch.Tensor, counts: torch.Tensor,
     far = torch.argsort(dist, dim=-1, descending=True, stable=True)[..., :outliers]  # [Hkv, C, o]
     is_out_rank = torch.arange(outliers) < n_out.view(1, C, 1)  # [1, C, o]
     out_perm = torch.where(is_out_rank, perm.gather(-1, far), -1)
-    rank = torch.zeros(hkv, C, cs, dtype=torch.int8)  # 0 kept member, 1 outlier, 2 padding
-    rank.masked_fill_(~valid, 2)
-    rank.scatter_(-1, far, torch.where(is_out_rank, 1, rank.gather(-1, far).long()).to(torch.int8))
+    is_out = torch.zeros(hkv, C, cs, dtype=torch.bool).scatter_(-1, far, is_out_rank.expand(hkv, -1, -1))
+    rank = torch.where(valid, is_out.to(torch.int8), 2)  # 0 kept member, 1 outlier, 2 padding
     order = torch.argsort(rank, dim=-1, stable=True)
     return order, out_perm, counts - n_out
 
