@@ -336,14 +336,18 @@ void item_values(const int64_t* ids, int64_t j0, int64_t j1, const int64_t* cnt,
   }
 }
 
-// o += sum_j p[j] * rows[j] in tiles of 32 rows, each summed apart first (tmp [D]): a sum over
-// thousands of rows in one float accumulator would err ~n ulp, tiles keep it ~(32 + n / 32).
-void tiled_weighted_rows(const float* p, const float* const* rows, int64_t n, int64_t D, float* o, float* tmp) {
-  for (int64_t r0 = 0; r0 < n; r0 += 32) {
-    std::fill(tmp, tmp + D, 0.0f);
-    weighted_rows(p + r0, rows + r0, std::min<int64_t>(32, n - r0), D, tmp);
-    axpy(1.0f, tmp, o, D);
-  }
+// For each of G heads, o_g += sum_j p_g[j] * rows[j] (p_g = p + g * p_stride, o_g = o + g *
+// o_stride) in tiles of 32 rows, each summed apart first (tmp [D]): a sum over thousands of rows
+// in one float accumulator would err ~n ulp, tiles keep it ~(32 + n / 32). Every head reads a
+// tile while it is in L1; per head the arithmetic and its order are those of G = 1.
+void tiled_weighted_rows(const float* p, int64_t p_stride, int64_t G, const float* const* rows, int64_t n,
+                         int64_t D, float* o, int64_t o_stride, float* tmp) {
+  for (int64_t r0 = 0; r0 < n; r0 += 32)
+    for (int64_t g = 0; g < G; ++g) {
+      std::fill(tmp, tmp + D, 0.0f);
+      weighted_rows(p + g * p_stride + r0, rows + r0, std::min<int64_t>(32, n - r0), D, tmp);
+      axpy(1.0f, tmp, o + g * o_stride, D);
+    }
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
@@ -465,7 +469,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
       // Every query head reads each block of rows while it is in L1 (8 key rows, then 32 value
       // rows, for all G heads): with the clusters' outliers E reaches thousands of scattered
       // rows, and one pass per head over all of them went to memory G times. Per head the
-      // arithmetic and its order are those of one pass per head (tiled_weighted_rows).
+      // arithmetic and its order are those of one pass per head.
       int64_t e8 = 0;
       for (; e8 + 8 <= E; e8 += 8)
         for (int64_t g = 0; g < G; ++g) dot8(qh + g * D, rows.data() + e8, D, sx.data() + g * E + e8);
@@ -485,12 +489,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
         ex.p[0] = m;
         ex.p[1] = l;
       }
-      for (int64_t r0 = 0; r0 < E; r0 += 32)
-        for (int64_t g = 0; g < G; ++g) {
-          std::fill(tmp.begin(), tmp.end(), 0.0f);
-          weighted_rows(sx.data() + g * E + r0, vrows.data() + r0, std::min<int64_t>(32, E - r0), D, tmp.data());
-          axpy(1.0f, tmp.data(), head_parts.data() + ((h * G + g) * 2) * PW + 2, D);
-        }
+      tiled_weighted_rows(sx.data(), E, G, vrows.data(), E, D, head_parts.data() + (h * G * 2) * PW + 2, 2 * PW,
+                          tmp.data());
       // stop rule per query head (kernel.stop_counts: float32 terms, sums in double as torch's
       // cumsum accumulates them), union of the prefixes
       bool* op = openp + h * M;
@@ -524,7 +524,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
           l += w[nt];
           vm_rows[nt++] = vmp + (h * C + c) * D;
         }
-        tiled_weighted_rows(w.data(), vm_rows.data(), nt, D, tp.p + 2, tmp.data());
+        tiled_weighted_rows(w.data(), 0, 1, vm_rows.data(), nt, D, tp.p + 2, 0, tmp.data());
         tp.p[0] = m;
         tp.p[1] = l;
       }
