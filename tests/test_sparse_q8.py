@@ -46,23 +46,31 @@ def test_q8_dot_error_within_block_bound(d, qmag, kmag, offset, seed):
     assert bool(((exact - approx).abs() <= bound + rounding).all())
 
 
-def test_packed_store_scores_are_q8_dots():
-    """The fast store's block-diagonal bmm gives the same numbers as the plain q8 dot."""
+@pytest.mark.parametrize("centred", [False, True])
+def test_packed_store_scores_are_q8_dots(centred):
+    """The fast store's block-diagonal bmm gives the same numbers as the plain q8 dot; with
+    cluster centres, keys are stored relative to them and a score is q.c + q8dot(q, k - c)."""
     g = torch.Generator().manual_seed(0)
     hkv, cs, d, C = 2, 8, 64, 5
     keys = torch.randn(hkv, C, cs, d, generator=g) + 2.0
     vals = torch.randn(hkv, C, cs, d, generator=g)
+    centers = keys.mean(2) if centred else torch.zeros(hkv, C, d)
     store = make_store("q8_0", hkv, cs, d)
-    store.write(0, keys, vals)
+    store.write(0, keys, vals, centers if centred else None)
     qg = torch.randn(hkv, 3, d, generator=g)
     idx = torch.tensor([[0, 2, 4], [1, 3, 4]])
     scores = store.scores(store.prepare_query(qg), idx)  # [Hkv, 3, 3*cs]
-    rows = keys[torch.arange(hkv).unsqueeze(1), idx].reshape(hkv, 1, -1, d)  # [Hkv, 1, 3*cs, D]
-    ref = q8_dot(qg.unsqueeze(2), rows, store.qblock)
+    pick = (torch.arange(hkv).unsqueeze(1), idx)
+    rows = keys[pick].reshape(hkv, 1, -1, d)  # [Hkv, 1, 3*cs, D]
+    cen = centers[pick].repeat_interleave(cs, 1).reshape(hkv, 1, -1, d)  # each row's centre
+    ref = (qg.unsqueeze(2) * cen).sum(-1) + q8_dot(qg.unsqueeze(2), rows - cen, store.qblock)
     assert torch.allclose(scores, ref, rtol=1e-5, atol=1e-4)
-    bound = q8_dot_bound(qg.unsqueeze(2), rows, store.qblock)
+    bound = q8_dot_bound(qg.unsqueeze(2), rows - cen, store.qblock)
     exact = (qg.unsqueeze(2) * rows).sum(-1)
     assert bool(((scores - exact).abs() <= bound * (1 + 1e-5) + 1e-4).all())
+    for h in range(hkv):
+        for c in idx[h].tolist():
+            assert torch.equal(store.key_center(h, c), centers[h, c].double())
     vals_back = store.values(idx).view(hkv, 3, cs, d)
     assert (vals_back - vals[torch.arange(hkv).unsqueeze(1), idx]).abs().max() <= store.vs.max() / 2 + 1e-7
 

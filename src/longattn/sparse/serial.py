@@ -119,9 +119,10 @@ def serial_row(cfg, index, q_row: torch.Tensor, k_row: torch.Tensor, v_row: torc
         for j in range(g):
             logits, rows = list(exact_logits[j]), [vx[i] for i in range(len(exact_slots))]
             for c in sorted(chosen):
-                kc, vc = index.store.cluster_rows(h, c)
+                kc, vc = index.store.cluster_rows(h, c)  # keys relative to key_center(h, c)
+                qc = float(q64[j] @ index.store.key_center(h, c))  # centre term: full-precision query
                 for i in range(int(index.counts[c])):
-                    logits.append(beta * float(q_store[j] @ kc[i]))
+                    logits.append(beta * (qc + float(q_store[j] @ kc[i])))
                     rows.append(vc[i])
             for x in tail_nodes:
                 logits.append(_estimate(q64[j], summ[x], resid[x], counts[x], radius[x], beta)[0])

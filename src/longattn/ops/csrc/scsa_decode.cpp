@@ -11,7 +11,8 @@
 //   resid      [Hkv, C, D]       float32  residual diagonal variance
 //   log_counts [C]; radius [Hkv, C]; vmean [Hkv, C, D]; counts [C] int64 (members per cluster)
 //   M                                     live clusters (C >= M is the index's capacity)
-//   kt         [Hkv, Cs, T, D/2, 8, 2] int8  packed member keys, members first in each cluster, in
+//   kt         [Hkv, Cs, T, D/2, 8, 2] int8  packed member keys relative to the cluster's
+//                                    centroid summ[h, c, 0], members first in each cluster, in
 //                                    tiles of 8 rows (T = ceil(cs / 8)), pair-interleaved: tile t
 //                                    holds dims (2p, 2p+1) of its 8 rows at [p][row][0:2]
 //   vi         [Hkv, Cs, cs, D]  int8     packed member values, row-major
@@ -25,8 +26,8 @@
 // the union of the G prefixes is opened; unopened clusters contribute m exp(a) at their value mean.
 // Phase B reads the opened clusters: one run of about equal rows per thread (cut into items at
 // KV head boundaries), each item scoring its packed keys with integer block dots against the
-// query quantized once (q8_0 x q8_0, exact in int32; 8-row tiles, all query heads per key load),
-// then one softmax part and the values (each int8 row widened once for all heads). Parts merge
+// query quantized once (q8_0 x q8_0, exact in int32; 8-row tiles, all query heads per key load)
+// plus the cluster's centre term q.c (phase A's float dot), then one softmax part and the values (each int8 row widened once for all heads). Parts merge
 // exactly at the end. Phase B has AVX2 and AVX-512 (BW + VNNI) forms with bit-identical
 // results, the wider one chosen at run time where the CPU has it (cpu_features.h).
 //
@@ -414,6 +415,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
   std::vector<int16_t> q16(Hkv * G * D);
   std::vector<float> qsc(Hkv * G * nb);
   std::vector<float> head_parts(Hkv * G * 2 * PW);
+  // q.c of every cluster's centroid per query head (raw, unscaled): the packed keys are
+  // relative to it, so phase B adds it to each opened member's residual score
+  std::vector<float> qcent(Hkv * G * M);
 
   at::parallel_for(0, Hkv, 1, [&](int64_t h0, int64_t h1) {
     std::vector<float> q2(G * D), qn(G), est(G * M), tail(G * M), sx(G * E), lex(G);
@@ -452,6 +456,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
           dot8(qg, srow.data(), D, z0);
           for (int64_t j = 0; j < nc; ++j) {
             const int64_t c = c0 + j;
+            qcent[(h * G + g) * M + c] = z0[j];
             const float t = z0[j] * beta + lcp[c];
             tail[g * M + c] = t;
             est[g * M + c] = t + std::min(half_b2 * (quad[j] + low[j]), (beta * qn[g]) * radp[h * C + c]);
@@ -605,6 +610,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
                                                          q16.data() + (h * G + g0) * D, qhs, D, qb,
                                                          scores.data() + g0 * R, R);
         });
+      for (int64_t g = 0; g < G; ++g) {  // the centre terms: raw score = q.c + residual dot
+        const float* qcg = qcent.data() + (h * G + g) * M;
+        float* sg = scores.data() + g * R;
+        for (int64_t j = item.c0, off = 0; j < item.c1; off += cntp[ids[j]], ++j) {
+          const float z = qcg[ids[j]];
+          for (int64_t r = 0; r < cntp[ids[j]]; ++r) sg[off + r] += z;
+        }
+      }
       for (int64_t g = 0; g < G; ++g) {
         Part pt{item_parts.data() + (it * G + g) * PW};
         pt.clear(D);
