@@ -4,7 +4,8 @@ import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
 
-from longattn.sparse.packing import dequantize_q8, make_store, q8_block, q8_dot, q8_dot_bound, quantize_q8
+from longattn.sparse.packing import (QUERY_MAX, dequantize_q8, make_store, q8_block, q8_dot, q8_dot_bound,
+                                    quantize_q8, quantize_query)
 from sparse_fixtures import one_thread  # noqa: F401  (autouse)
 
 
@@ -28,6 +29,23 @@ def test_round_trip_within_half_a_step(d, log_mag, offset, seed):
     err = (dequantize_q8(ints, scales).double() - x.double()).abs()
     bound = step.double() * (0.5 + 254 * 2.0 ** -24)
     assert bool((err <= bound * (1 + 1e-12) + 1e-30).all())
+
+
+@settings(max_examples=40, deadline=None)
+@given(d=st.sampled_from([8, 24, 64, 128]), log_mag=st.floats(-6, 6), seed=st.integers(0, 2**31 - 1))
+def test_query_blocks_are_12_bit(d, log_mag, seed):
+    """Queries round to 12-bit ints (int16, |i| <= 2047) within half a step (plus the float32
+    rounding of x / s and s * i, as above), and a block dot with int8 keys stays below 2**24,
+    so the float32 matmuls of the PyTorch path add it exactly (as int32 does natively)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, d, generator=g) * 10.0 ** log_mag
+    qb = q8_block(d)
+    ints, scales = quantize_query(x, qb)
+    assert ints.dtype == torch.int16 and int(ints.abs().max()) == QUERY_MAX == 2047
+    step = scales.repeat_interleave(qb, dim=-1).double()
+    err = (dequantize_q8(ints, scales).double() - x.double()).abs()
+    assert bool((err <= step * (0.5 + 2 * QUERY_MAX * 2.0 ** -24) * (1 + 1e-12) + 1e-30).all())
+    assert qb * QUERY_MAX * 127 < 2 ** 24
 
 
 @settings(max_examples=80, deadline=None)

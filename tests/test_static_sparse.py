@@ -5,7 +5,12 @@ alone, and warm-up / reset leave no trace.
 
 Tolerance, derived: the static and eager engines compute the same model by different
 summation orders (own key merged apart, fused kernel), so the sparse logits of the two may
-differ by at most twice what their dense logits differ by, plus a few ulp of the logit scale."""
+differ by at most twice what their dense logits differ by, plus a few ulp of the logit scale.
+That holds where the sparse output is a continuous function of q, k and v: with the f32
+packing. q8_0 scoring rounds the query (12-bit blocks) and the keys, so an ulp of difference
+between the engines' inputs can flip one rounding step, a jump no dense difference predicts;
+for q8_0 the tests check the decisions (counters, taus, opened rows), which use the float
+estimates and so must match exactly."""
 
 import pytest
 import torch
@@ -61,12 +66,14 @@ def tol_from_dense(m, ids):
     return 2 * (e - st).abs().max().item() + 4 * 2.0 ** -23 * e.abs().max().item()
 
 
+@pytest.mark.parametrize("packing", ["q8_0", "f32"])
 @pytest.mark.parametrize("family, outliers", [("llama", 0), ("gemma3", 0), ("llama", 2)])
-def test_static_sparse_makes_the_eager_decisions(family, outliers):
+def test_static_sparse_makes_the_eager_decisions(family, outliers, packing):
     m = model(family)
     ids = _ids(1, PROMPT + STEPS, seed=3)
-    e, s = eager_logits(m, sparse_pol(m, outliers=outliers), ids, PROMPT)
-    dec = StaticDecoder(m, sparse_pol(m, outliers=outliers), max_len=ids.shape[1] + 1, compile=False)
+    e, s = eager_logits(m, sparse_pol(m, outliers=outliers, packing=packing), ids, PROMPT)
+    dec = StaticDecoder(m, sparse_pol(m, outliers=outliers, packing=packing), max_len=ids.shape[1] + 1,
+                        compile=False)
     st = static_logits(dec, ids, PROMPT)
     eager_ops = {op.layer_index: op.scsa for op in sparse_ops(s.policy)}
     assert eager_ops, "no sparse layer ran"
@@ -77,16 +84,18 @@ def test_static_sparse_makes_the_eager_decisions(family, outliers):
     assert counters(dec.sparse.layers.values())["opened_rows"] > 0
     taken = [ix.extra_slots.shape[1] for sc in eager_ops.values() for ix in sc.indexes]
     assert (min(taken) > 0) if outliers else (max(taken) == 0)
-    assert (st - e).abs().max().item() <= tol_from_dense(m, ids)
+    if packing == "f32":  # continuous in the inputs (see the module docstring)
+        assert (st - e).abs().max().item() <= tol_from_dense(m, ids)
 
 
 def test_compiled_static_sparse_is_one_graph():
     torch._dynamo.reset()
     m = model()
     ids = _ids(1, PROMPT + STEPS, seed=5)
-    eager_dec = StaticDecoder(m, sparse_pol(m), max_len=ids.shape[1] + 1, compile=False)
+    # f32 packing: the logits are then continuous in the inputs (see the module docstring)
+    eager_dec = StaticDecoder(m, sparse_pol(m, packing="f32"), max_len=ids.shape[1] + 1, compile=False)
     want = static_logits(eager_dec, ids, PROMPT)
-    dec = StaticDecoder(m, sparse_pol(m), max_len=ids.shape[1] + 1, compile=True)
+    dec = StaticDecoder(m, sparse_pol(m, packing="f32"), max_len=ids.shape[1] + 1, compile=True)
     dec.warmup()
     with torch._dynamo.config.patch(error_on_recompile=True):
         got = static_logits(dec, ids, PROMPT)

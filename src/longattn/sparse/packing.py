@@ -7,9 +7,11 @@ cluster's count are zero padding; the index masks them with ``-inf``.
 
 q8_0 (as in ggml): each row is cut into blocks of ``qblock`` (32, or gcd(D, 32) when D is not a
 multiple of 32) values; a block stores one float scale ``s = amax / 127`` and int8 values
-``round(x / s)``, so ``|x - s * i| <= s / 2`` per element. Scores use the query quantized the same
-way once per call: ``q.k ~= sum_b sq_b * sk_b * (iq_b . ik_b)``. The integer block dots are run as
-float32 matmuls, which is exact here: ``|iq_b . ik_b| <= qblock * 127 * 127 < 2**24``.
+``round(x / s)``, so ``|x - s * i| <= s / 2`` per element. Scores use the query quantized by blocks
+once per call, to 12-bit integers (``s = amax / 2047``, 16x finer than int8: the native scorer
+widens keys to int16 lanes anyway, so the finer query costs nothing there):
+``q.k ~= sum_b sq_b * sk_b * (iq_b . ik_b)``. The integer block dots are run as float32 matmuls,
+which is exact here: ``|iq_b . ik_b| <= qblock * 2047 * 127 < 2**24`` (and fits int32 natively).
 
 q8_0 keys are stored relative to their cluster's centre ``c`` (the index passes the centroid of
 the cluster's members): the packed row is ``q8(k - c)`` and a score is ``q.c + q8dot(q, k - c)``,
@@ -28,6 +30,7 @@ import torch
 from ..errors import LongattnError
 
 Q8_MAX = 127.0
+QUERY_MAX = 2047.0  # 12-bit query blocks: block dots with int8 keys stay below 2**24 (see above)
 
 
 def q8_block(head_dim: int) -> int:
@@ -35,21 +38,28 @@ def q8_block(head_dim: int) -> int:
     return math.gcd(head_dim, 32)
 
 
-def quantize_q8(x: torch.Tensor, qblock: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round-to-nearest symmetric int8 per block.
+def quantize_q8(x: torch.Tensor, qblock: int, qmax: float = Q8_MAX) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest symmetric integers per block (int8 at the default ``qmax`` 127).
 
     Args:
         x: float ``[..., D]`` with ``D % qblock == 0``.
+        qmax: largest integer magnitude (127: q8_0; ``QUERY_MAX``: the queries' 12-bit ints).
     Returns:
-        ``(ints, scales)``: int8 ``[..., D]`` and float32 ``[..., D // qblock]``;
-        ``x ~= ints * scales`` block-wise with ``|error| <= scale / 2`` per element.
+        ``(ints, scales)``: int8 (int16 when ``qmax`` > 127) ``[..., D]`` and float32
+        ``[..., D // qblock]``; ``x ~= ints * scales`` block-wise with ``|error| <= scale / 2``
+        per element.
     """
     *lead, D = x.shape
     xb = x.float().reshape(*lead, D // qblock, qblock)  # [..., nb, qblock]
-    scale = xb.abs().amax(-1) / Q8_MAX  # [..., nb]
+    scale = xb.abs().amax(-1) / qmax  # [..., nb]
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    ints = torch.round(xb / safe.unsqueeze(-1)).clamp_(-Q8_MAX, Q8_MAX).to(torch.int8)
-    return ints.reshape(*lead, D), scale
+    ints = torch.round(xb / safe.unsqueeze(-1)).clamp_(-qmax, qmax)
+    return ints.to(torch.int8 if qmax <= Q8_MAX else torch.int16).reshape(*lead, D), scale
+
+
+def quantize_query(q: torch.Tensor, qblock: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A query's block quantization for scoring: ``quantize_q8`` with 12-bit ints (int16)."""
+    return quantize_q8(q, qblock, QUERY_MAX)
 
 
 def dequantize_q8(ints: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -61,8 +71,9 @@ def dequantize_q8(ints: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def q8_dot(q: torch.Tensor, k: torch.Tensor, qblock: int) -> torch.Tensor:
-    """The q8_0 x q8_0 dot product used for scoring: ``[..., D] x [..., D] -> [...]``."""
-    qi, qs = quantize_q8(q, qblock)
+    """The dot product used for scoring, 12-bit query blocks x q8_0 key blocks:
+    ``[..., D] x [..., D] -> [...]``."""
+    qi, qs = quantize_query(q, qblock)
     ki, ks = quantize_q8(k, qblock)
     nb = qs.shape[-1]
     dots = (qi.float().unflatten(-1, (nb, qblock)) * ki.float().unflatten(-1, (nb, qblock))).sum(-1)
@@ -76,7 +87,7 @@ def q8_dot_bound(q: torch.Tensor, k: torch.Tensor, qblock: int) -> torch.Tensor:
     ``q.k - q^.k^ = q.ek + eq.k^``, so per block the error is at most
     ``||q_b||_1 * sk_b / 2 + sq_b / 2 * ||k^_b||_1``; the bound is the sum over blocks.
     """
-    qi, qs = quantize_q8(q, qblock)
+    qi, qs = quantize_query(q, qblock)
     ki, ks = quantize_q8(k, qblock)
     nb = qs.shape[-1]
     q_l1 = q.float().abs().unflatten(-1, (nb, qblock)).sum(-1)  # [..., nb]
@@ -281,7 +292,7 @@ class Q8Store(PackedStore):
         ``[Hkv, 1, g, nb]``, and the float query (for the centre terms ``q.c``).
         """
         hkv, g, D = qg.shape
-        qi, qs = quantize_q8(qg, self.qblock)  # [Hkv, g, D], [Hkv, g, nb]
+        qi, qs = quantize_query(qg, self.qblock)  # [Hkv, g, D], [Hkv, g, nb]
         qbd = qi.float().unsqueeze(2) * self.block_eye  # [Hkv, g, nb, D]
         return qbd.reshape(hkv, g * self.nb, D).transpose(1, 2), qs.unsqueeze(1), qg
 
@@ -309,7 +320,7 @@ class Q8Store(PackedStore):
         return (vi.unflatten(-1, (self.nb, self.qblock)) * vs.unsqueeze(-1)).flatten(-2)
 
     def query_view(self, qg):
-        qi, qs = quantize_q8(qg, self.qblock)
+        qi, qs = quantize_query(qg, self.qblock)
         return dequantize_q8(qi, qs)
 
     def key_center(self, h, c):

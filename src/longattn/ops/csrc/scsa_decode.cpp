@@ -26,7 +26,8 @@
 // the union of the G prefixes is opened; unopened clusters contribute m exp(a) at their value mean.
 // Phase B reads the opened clusters: one run of about equal rows per thread (cut into items at
 // KV head boundaries), each item scoring its packed keys with integer block dots against the
-// query quantized once (q8_0 x q8_0, exact in int32; 8-row tiles, all query heads per key load)
+// query quantized once (12-bit query x q8_0 key blocks, exact in int32; 8-row tiles, all query
+// heads per key load)
 // plus the cluster's centre term q.c (phase A's float dot), then one softmax part and the values (each int8 row widened once for all heads). Parts merge
 // exactly at the end. Phase B has AVX2 and AVX-512 (BW + VNNI) forms with bit-identical
 // results, the wider one chosen at run time where the CPU has it (cpu_features.h).
@@ -65,7 +66,9 @@ using longattn::weighted_rows;
 using longattn::with_heads;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr float kQ8Max = 127.0f;
+// queries are quantized to 12-bit blocks (packing.QUERY_MAX): int16 lanes hold them as they hold
+// the widened int8 keys, and a block dot stays below 2**24 (exact in float32 as in PyTorch)
+constexpr float kQueryMax = 2047.0f;
 
 struct Ranked {
   float est;
@@ -118,17 +121,17 @@ struct Part {
   }
 };
 
-// q8_0 of one row as packing.quantize_q8 does it: per block scale amax / 127, values
-// round-half-even(x / scale) clamped to +-127 (widened to int16 for vpmaddwd).
+// A query row's block quantization as packing.quantize_query does it: per block scale
+// amax / 2047, values round-half-even(x / scale) clamped to +-2047, as int16 for vpmaddwd.
 void quantize_row(const float* x, int64_t D, int64_t qb, int16_t* ints, float* scales) {
   for (int64_t b = 0; b < D / qb; ++b) {
     float amax = 0.0f;
     for (int64_t i = 0; i < qb; ++i) amax = std::max(amax, std::fabs(x[b * qb + i]));
-    const float s = amax / kQ8Max;
+    const float s = amax / kQueryMax;
     const float safe = s > 0.0f ? s : 1.0f;
     for (int64_t i = 0; i < qb; ++i) {
       const float r = std::nearbyint(x[b * qb + i] / safe);
-      ints[b * qb + i] = static_cast<int16_t>(std::max(-kQ8Max, std::min(kQ8Max, r)));
+      ints[b * qb + i] = static_cast<int16_t>(std::max(-kQueryMax, std::min(kQueryMax, r)));
     }
     scales[b] = s;
   }
