@@ -57,7 +57,7 @@ class ClusterIndex:
         self.out_slots = torch.zeros(hkv, 0, o, dtype=torch.int64)  # [Hkv, C, o], -1 = none
         self.store = make_store(cfg.packing, hkv, cs, d)
         self.tree: ClusterTree | None = None
-        self._fingerprint: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._fingerprint: torch.Tensor | None = None  # [Hkv, D]: keys of the last sealed slot
         self._views()
 
     def _views(self) -> None:
@@ -101,10 +101,9 @@ class ClusterIndex:
         return cfg.sink + (usable // cfg.rebuild_interval) * cfg.rebuild_interval
 
     def _same_cache(self, k: torch.Tensor) -> bool:
-        if self._fingerprint is None:
-            return True
-        first, last = self._fingerprint
-        return torch.equal(k[:, self.cfg.sink], first) and torch.equal(k[:, self.seal_end - 1], last)
+        # the last sealed row's keys: another sequence (or rewritten history) differs there; one
+        # comparison per call, since this runs on every decode step of every sparse layer
+        return self._fingerprint is None or torch.equal(k.select(1, self.seal_end - 1), self._fingerprint)
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> int:
         """Bring the index up to date with the cache; returns how many blocks were (re)built.
@@ -133,7 +132,7 @@ class ClusterIndex:
                 self.frozen_blocks = j + 1
             self.num_clusters = j * cpb + -(-(hi - lo) // cfg.cluster_size)
         self.seal_end = target
-        self._fingerprint = (k[:, cfg.sink].clone(), k[:, target - 1].clone())
+        self._fingerprint = k[:, target - 1].clone()
         if cfg.hierarchical:
             M = self.num_clusters
             self.tree = build_tree(self.counts[:M], self.summ[:, :M], self.resid[:, :M],

@@ -64,6 +64,8 @@ class SCSALayer:
         self.taus = torch.full((num_kv_heads,), float(cfg.tau_default))
         # heads that must attend exactly (no tau meets the tolerance; see exact_when_unmet)
         self.exact_heads = torch.zeros(num_kv_heads, dtype=torch.bool)
+        self._runs_exact = False  # calibrated and exact_heads.any(), as a Python bool (hot path)
+        self._taus_arg = self.taus  # float32 contiguous taus as the native call takes them
         self.calibrated = cfg.calib_steps == 0
         self.calibrator = Calibrator(cfg.tau_grid, cfg.calib_steps, cfg.tolerance, num_kv_heads)
         self.indexes: list[ClusterIndex] = []
@@ -87,7 +89,7 @@ class SCSALayer:
         self._last = []
         # short caches, and layers no tau serves (the model's ops route those to their own dense
         # op first), attend exactly without maintaining an index they would never read
-        if N < self.cfg.min_context or self.runs_exact:
+        if N < self.cfg.min_context or self._runs_exact:
             self.counters["exact_rows"] += B * self.num_kv_heads * N
             return self._dense(q, k, v, scale)
         if len(self.indexes) != B:
@@ -100,9 +102,12 @@ class SCSALayer:
             return self._dense(q, k, v, scale)
         if not self.calibrated:
             return self._calibration_call(q, k, v, scale)
-        rows = [self._row(b, q[b, :, 0], k[b], v[b], scale, self.taus) for b in range(B)]
-        out = rows[0].view(1, H, 1, D) if B == 1 else torch.stack(rows).view(B, H, 1, D)
-        return out.to(q.dtype)
+        if B == 1:  # the decode loop's case: no per-row list, stack or cast beyond what is needed
+            out = self._row(0, q[0, :, 0], k[0], v[0], scale, self.taus).view(1, H, 1, D)
+        else:
+            rows = [self._row(b, q[b, :, 0], k[b], v[b], scale, self.taus) for b in range(B)]
+            out = torch.stack(rows).view(B, H, 1, D)
+        return out if out.dtype == q.dtype else out.to(q.dtype)
 
     def set_taus(self, taus) -> None:
         """Freeze the thresholds (one per KV head, or one for all) and end calibration.
@@ -122,13 +127,15 @@ class SCSALayer:
             raise LongattnError(f"set_taus: need {self.num_kv_heads} values in [0, 1] (or None: exact), "
                                 f"got {taus}")
         self.taus = t
+        self._taus_arg = t.contiguous()
         self.exact_heads = torch.tensor(exact, dtype=torch.bool)
         self.calibrated = True
+        self._runs_exact = any(exact)
 
     @property
     def runs_exact(self) -> bool:
         """Calibrated with a head that no tau serves: every call attends exactly."""
-        return self.calibrated and bool(self.exact_heads.any())
+        return self._runs_exact
 
     def count_exact_call(self, batch: int, n: int) -> None:
         """Count a call that the caller answered with its own dense op (``runs_exact``), so
@@ -328,8 +335,8 @@ class SCSALayer:
         st, M = index.store, index.num_clusters
         out, opened, rows = torch.ops.longattn_cpu.scsa_decode(
             q_row.float(), k_row, v_row, s0, s1, index.extra_slots, index.summ, index.resid, index.log_counts,
-            index.radius, index.vmean, index.counts, M, st.kt, st.ks, st.vi, st.vs, taus.float().contiguous(),
-            float(scale))
+            index.radius, index.vmean, index.counts, M, st.kt, st.ks, st.vi, st.vs,
+            self._taus_arg if taus is self.taus else taus.float().contiguous(), float(scale))
         sel = Selection(opened, None, None, self.num_kv_heads * M)  # flat: tails = ~opened (see _accounting)
         return out.view(self.num_kv_heads, self.group, self.head_dim), sel, int(rows)
 
