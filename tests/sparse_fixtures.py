@@ -22,8 +22,10 @@ from longattn.sparse.synthetic import synthetic_cache
 # Tiny clusters/blocks so ~1K-token caches seal several blocks; always sparse from the first call.
 # No outliers unless a test asks (the default 8 would be half of a 16-key cluster); the tests of
 # the invariants parametrize them in.
+# dense_when_cheaper off: on caches this small the cost rule would send every calibrated layer to
+# its dense read (tests/test_sparse_cost.py tests the rule)
 SMALL = dict(cluster_size=16, rebuild_interval=64, block_size=256, sink=4, recent=8, min_context=0,
-             calib_steps=0, outliers=0)
+             calib_steps=0, outliers=0, dense_when_cheaper=False)
 
 
 @pytest.fixture(autouse=True)

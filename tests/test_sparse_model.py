@@ -12,7 +12,9 @@ from longattn.session import Session
 from longattn.sparse import SCSAConfig
 from longattn.sparse_policy import build_sparse_policy, save_taus, sparse_ops
 
-SMALL = dict(cluster_size=16, rebuild_interval=64, block_size=256, recent=8, sink=2, min_context=0, outliers=2)
+# dense_when_cheaper off: tiny caches would send every layer to its dense read (test_sparse_cost.py)
+SMALL = dict(cluster_size=16, rebuild_interval=64, block_size=256, recent=8, sink=2, min_context=0, outliers=2,
+             dense_when_cheaper=False)
 
 
 def _decode(model, policy, prompt, steps):

@@ -27,8 +27,9 @@ from longattn.static_decode import StaticDecoder
 from test_windows import _ids
 
 # tiny clusters and blocks so a ~100-token cache seals, rebuilds and freezes while decoding
+# (dense_when_cheaper off: on a ~100-token cache the cost rule would route every layer dense)
 CFG = dict(cluster_size=8, rebuild_interval=16, block_size=64, sink=2, recent=4, min_context=0,
-           calib_steps=4, tolerance=0.05)
+           calib_steps=4, tolerance=0.05, dense_when_cheaper=False)
 PROMPT, STEPS = 90, 24
 
 

@@ -76,6 +76,8 @@ def sparse_policy(cfg, args) -> AttentionPolicy:
         kw["tolerance"] = args.sparse_tolerance
     if getattr(args, "sparse_outliers", None) is not None:
         kw["outliers"] = args.sparse_outliers
+    if getattr(args, "sparse_dense_when_cheaper", None) is not None:
+        kw["dense_when_cheaper"] = args.sparse_dense_when_cheaper
     return build_sparse_policy(cfg, SCSAConfig(**kw), window=args.window, sinks=args.sinks)
 
 

@@ -51,6 +51,10 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sparse-outliers", type=int, default=argparse.SUPPRESS, metavar="K",
                    help="sparse: keys per cluster, farthest from its centroid, always read exactly; "
                         "0 = none (default: 8)")
+    p.add_argument("--sparse-always", dest="sparse_dense_when_cheaper", action="store_false",
+                   default=argparse.SUPPRESS,
+                   help="sparse: keep calibrated layers sparse even where the cost model predicts "
+                        "their dense read is cheaper (default: such layers attend densely)")
 
 
 def add_json_arg(p: argparse.ArgumentParser) -> None:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from .cost import dense_cost, sparse_cost
+
 
 def relative_error(o: torch.Tensor, o_exact: torch.Tensor) -> torch.Tensor:
     """``||o - o_exact|| / ||o_exact||`` over the last axis (``[..., D] -> [...]``)."""
@@ -45,15 +47,21 @@ class Calibrator:
         self.tolerance = tolerance
         self.hkv = num_kv_heads
         self.samples: list[torch.Tensor] = []  # each [T, Hkv]
+        # per sample, what the sparse call would read at each tau: (n, clusters, exact rows,
+        # opened rows [T, Hkv]) (see cost.py); kept only where the caller records it
+        self.reads: list[tuple] = []
         self.calls = 0
 
     @property
     def done(self) -> bool:
         return self.calls >= self.steps
 
-    def record(self, errors: list[torch.Tensor]) -> None:
-        """One calibration call: a ``[T, Hkv]`` error table per batch row."""
+    def record(self, errors: list[torch.Tensor], reads: list[tuple] | None = None) -> None:
+        """One calibration call: a ``[T, Hkv]`` error table per batch row, and optionally per row
+        ``(n, clusters, exact_rows, opened_rows [T, Hkv])`` for the cost rule."""
         self.samples.extend(e.double() for e in errors)
+        if reads:
+            self.reads.extend(reads)
         self.calls += 1
 
     def medians(self) -> torch.Tensor:
@@ -69,11 +77,26 @@ class Calibrator:
             return torch.zeros(self.hkv, dtype=torch.bool)
         return ~(self.medians() <= (self.tolerance if tolerance is None else tolerance)).any(0)
 
+    def choice(self, tolerance: float | None = None) -> torch.Tensor:
+        """Grid position of each KV head's tau, int64 ``[Hkv]``: the largest tau whose median
+        error meets ``tolerance`` (default the configured one), else 0 (needs samples)."""
+        ok = self.medians() <= (self.tolerance if tolerance is None else tolerance)  # [T, Hkv]
+        pos = torch.arange(len(self.grid)).unsqueeze(1).expand_as(ok)
+        return torch.where(ok, pos, torch.zeros_like(pos)).amax(0)
+
     def choose(self, tau_default: float, tolerance: float | None = None) -> torch.Tensor:
         """Frozen tau per KV head, float32 ``[Hkv]`` (at ``tolerance``, default the configured one)."""
         if not self.samples:
             return torch.full((self.hkv,), tau_default)
-        ok = self.medians() <= (self.tolerance if tolerance is None else tolerance)  # [T, Hkv]
-        pos = torch.arange(len(self.grid)).unsqueeze(1).expand_as(ok)
-        best = torch.where(ok, pos, torch.zeros_like(pos)).amax(0)  # index of the largest passing tau
-        return self.grid[best].float()
+        return self.grid[self.choice(tolerance)].float()
+
+    def cost_ratio(self, tolerance: float | None = None) -> float | None:
+        """Median over the recorded calls of the sparse call's predicted cost over the dense
+        read's (cost.py) at the taus ``choose`` picks; None without recorded reads."""
+        if not self.reads or not self.samples:
+            return None
+        best = self.choice(tolerance)
+        heads = torch.arange(self.hkv)
+        ratios = [sparse_cost(self.hkv, clusters, float(opened[best, heads].sum()), exact) / dense_cost(self.hkv, n)
+                  for n, clusters, exact, opened in self.reads]
+        return float(torch.tensor(ratios).median())

@@ -66,6 +66,10 @@ class SCSAConfig:
             (``longattn_cpu::scsa_decode``) where it is built; False keeps the PyTorch ops
             (the reference the kernel is tested against, and an A/B arm for benchmarks).
         min_context: below this many cached tokens the layer runs dense, exactly.
+        dense_when_cheaper: at the end of calibration, a layer whose sparse calls (at the taus
+            it chose, over the calibration calls' opened and exact rows, median) are predicted
+            to cost more than its dense read attends densely, exactly, instead: every KV head's
+            choice is then ``None`` (cost.py holds the model and its measured constants).
         exact_when_unmet: a layer with a KV head for which no tau of the grid meets the
             tolerance (not even tau = 0: the packing's rounding alone is too coarse for that
             head) attends exactly after calibration, instead of running at the smallest tau
@@ -94,6 +98,7 @@ class SCSAConfig:
     native: bool = True
     exact_when_unmet: bool = True
     min_context: int = 8192
+    dense_when_cheaper: bool = True
 
     def __post_init__(self) -> None:
         self.validate()

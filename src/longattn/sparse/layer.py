@@ -68,6 +68,8 @@ class SCSALayer:
         self._taus_arg = self.taus  # float32 contiguous taus as the native call takes them
         self.calibrated = cfg.calib_steps == 0
         self.calibrator = Calibrator(cfg.tau_grid, cfg.calib_steps, cfg.tolerance, num_kv_heads)
+        # predicted sparse / dense cost at the calibrated taus (choose_taus; None before)
+        self.cost_ratio: float | None = None
         self.indexes: list[ClusterIndex] = []
         self._last: list[tuple] = []
 
@@ -149,8 +151,13 @@ class SCSALayer:
 
     def choose_taus(self, tolerance: float | None = None) -> list:
         """The calibrated choice per KV head at ``tolerance`` (default the configured one):
-        a tau, or ``None`` where none meets it and ``exact_when_unmet`` is on."""
+        a tau, or ``None`` where none meets it and ``exact_when_unmet`` is on. With
+        ``dense_when_cheaper``, ``None`` for every head when the sparse calls at the chosen taus
+        would cost more than the dense read (``cost_ratio`` > 1; see cost.py)."""
         taus = self.calibrator.choose(self.cfg.tau_default, tolerance).tolist()
+        self.cost_ratio = self.calibrator.cost_ratio(tolerance)
+        if self.cfg.dense_when_cheaper and self.cost_ratio is not None and self.cost_ratio > 1.0:
+            return [None] * self.num_kv_heads
         if not self.cfg.exact_when_unmet:
             return taus
         return [None if u else t for t, u in zip(taus, self.calibrator.unmet(tolerance).tolist())]
@@ -349,13 +356,20 @@ class SCSALayer:
         Returns:
             float64 ``[T, Hkv]``: the sparse output's error (``cfg.calib_metric``) at each tau.
         """
+        return self.replay(index, prep, o_exact, scale)[0]
+
+    def replay(self, index: ClusterIndex, prep: dict, o_exact: torch.Tensor, scale: float):
+        """``replay_errors`` and the member rows each tau opens: ``(errors float64 [T, Hkv],
+        opened rows int64 [T, Hkv])``."""
         grid = self.calibrator.grid.float()
-        errs = []
+        counts = index.counts[:index.num_clusters]
+        errs, rows = [], []
         if self.cfg.hierarchical:
             for tau in grid:
-                o_tau, _ = self._sparse(index, prep, scale, tau.expand(self.num_kv_heads))
+                o_tau, sel = self._sparse(index, prep, scale, tau.expand(self.num_kv_heads))
                 errs.append(group_error(o_tau, o_exact, self.cfg.calib_metric))  # [Hkv]
-            return torch.stack(errs)
+                rows.append((sel.opened.long() * counts).sum(-1))
+            return torch.stack(errs), torch.stack(rows)
         # one sort for the whole grid; equal selections share one output
         opened = needed(prep["est"], prep["log_exact"], grid.unsqueeze(1).expand(-1, self.num_kv_heads))
         last, err = None, None
@@ -366,21 +380,26 @@ class SCSALayer:
                 err = group_error(o_tau, o_exact, self.cfg.calib_metric)  # [Hkv]
                 last = mask
             errs.append(err)
-        return torch.stack(errs)
+        return torch.stack(errs), (opened.long() * counts).sum(-1)
 
     def _calibration_call(self, q, k, v, scale):
         """Exact output; replays every tau of the grid and records the errors."""
         out = self._dense(q, k, v, scale)
         B = q.shape[0]
         self.counters["exact_rows"] += B * self.num_kv_heads * k.shape[2]
-        tables = []
+        tables, reads = [], []
+        n = k.shape[2]
         for b, index in enumerate(self.indexes):
             if index.num_clusters == 0:
                 continue
             o_exact = out[b, :, 0].float().view(self.num_kv_heads, self.group, self.head_dim)
             prep = self._prepare(index, q[b, :, 0], k[b], v[b], scale)
-            tables.append(self.replay_errors(index, prep, o_exact, scale))
-        self.calibrator.record(tables)
+            errors, opened = self.replay(index, prep, o_exact, scale)
+            tables.append(errors)
+            s0, s1 = index.exact_slots(n)
+            exact = self.num_kv_heads * (s0 + n - s1 + index.extra_slots.shape[1])
+            reads.append((n, index.num_clusters, exact, opened))
+        self.calibrator.record(tables, reads)
         if self.calibrator.done:
             self.set_taus(self.choose_taus())
         return out
