@@ -185,7 +185,11 @@ def main():
                    # heads that attend exactly (no tau meets the tolerance) hold no tau
                    "tau_median": statistics.median([t for sc in layers for t in sc.tau_values() if t is not None]
                                                    or [0.0]),
-                   "exact_heads": sum(t is None for sc in layers for t in sc.tau_values())}
+                   "exact_heads": sum(t is None for sc in layers for t in sc.tau_values()),
+                   # layers sent to their dense read by the cost rule (SCSAConfig.dense_when_cheaper),
+                   # whose heads exact_heads counts too
+                   "dense_by_cost": sorted(sc.layer_index for sc in layers if sc.cfg.dense_when_cheaper
+                                           and sc.cost_ratio is not None and sc.cost_ratio > 1.0)}
             msg = f"L={L:>6} {arm}"
             for f in forms:
                 tag = "avx512" if f else "avx2"

@@ -19,7 +19,9 @@ forms, 2K-32K rows; ``benchmarks/results/scsa_cost.json``) on the 2-core host of
 rounded: there the dense op took 82 us + 30 ns per row read, a sparse call's fixed part ~120 us,
 and the model's predicted sparse/dense ratio was off by 0.04 (median) over 40 points. A layer
 opening 34% of a 4K cache (Qwen2.5-0.5B's mean on book text) is predicted at 0.7 of its dense
-read; one opening 98% (its layer 0) at 1.06.
+read; one opening 98% (its layer 0) at 1.06. The constants are the native flat q8_0 call's;
+the PyTorch paths (other packings, hierarchical mode) cost more per call than they say, so the
+rule sends fewer of those layers to their dense read than it could.
 """
 
 from __future__ import annotations

@@ -114,8 +114,9 @@ class SCSALayer:
     def set_taus(self, taus) -> None:
         """Freeze the thresholds (one per KV head, or one for all) and end calibration.
 
-        ``None`` for a head means "attend exactly" (no tau met the tolerance; see
-        ``SCSAConfig.exact_when_unmet``): the layer then runs dense.
+        ``None`` for a head means "attend exactly" (no tau met the tolerance, see
+        ``SCSAConfig.exact_when_unmet``; or the sparse call would cost more than the dense read,
+        see ``SCSAConfig.dense_when_cheaper``): the layer then runs dense.
         """
         if torch.is_tensor(taus):
             taus = taus.flatten().tolist()
@@ -136,7 +137,8 @@ class SCSALayer:
 
     @property
     def runs_exact(self) -> bool:
-        """Calibrated with a head that no tau serves: every call attends exactly."""
+        """Calibrated with a head that attends exactly (no tau serves it, or the cost rule sent the
+        layer to its dense read): every call attends exactly."""
         return self._runs_exact
 
     def count_exact_call(self, batch: int, n: int) -> None:
