@@ -161,7 +161,9 @@ class ClusterIndex:
         self.out_slots[:, sl] = torch.where(out_perm >= 0, out_perm + lo, out_perm)
         self.pad_bias[sl] = torch.where(torch.arange(cfg.cluster_size) < s.counts.unsqueeze(1),
                                         0.0, float("-inf"))
-        self.store.write(c0, k_rows, v_rows, s.centroid)  # q8_0 keys are kept relative to it
+        # q8_0 keys are kept relative to the centroid; the native call adds q.c from summ[:, :, 0],
+        # so store and summaries must hold the very same centre
+        self.store.write(c0, k_rows, v_rows, s.centroid)
 
     # --- reads ---------------------------------------------------------------------------
     def exact_slots(self, n: int) -> tuple[int, int]:

@@ -1,6 +1,7 @@
 // SCSA's flat sparse decode call for one cache row (q8_0 packing) in one native pass, for x86
-// CPUs with AVX2 + FMA (and AVX-512 VNNI, where present, for the opened rows). The same computation as the PyTorch path of longattn.sparse
-// (kernel.cluster_scores, kernel.needed, SCSALayer._output); see that package for the maths.
+// CPUs with AVX2 + FMA (and AVX-512 VNNI, where present, for the opened rows). The same
+// computation as the PyTorch path of longattn.sparse (kernel.cluster_scores, kernel.needed,
+// SCSALayer._output); see that package for the maths.
 //
 //   q          [H, D]            float32  the row's decode queries (H = Hkv * G)
 //   k, v       [Hkv, N, D]       float32  the row's whole cache (rows contiguous, any head stride)
@@ -27,10 +28,10 @@
 // Phase B reads the opened clusters: one run of about equal rows per thread (cut into items at
 // KV head boundaries), each item scoring its packed keys with integer block dots against the
 // query quantized once (12-bit query x q8_0 key blocks, exact in int32; 8-row tiles, all query
-// heads per key load)
-// plus the cluster's centre term q.c (phase A's float dot), then one softmax part and the values (each int8 row widened once for all heads). Parts merge
-// exactly at the end. Phase B has AVX2 and AVX-512 (BW + VNNI) forms with bit-identical
-// results, the wider one chosen at run time where the CPU has it (cpu_features.h).
+// heads per key load) plus the cluster's centre term q.c (phase A's float dot), then one softmax
+// part and the values (each int8 row widened once for all heads). Parts merge exactly at the end.
+// Phase B has AVX2 and AVX-512 (BW + VNNI) forms with bit-identical results, the wider one chosen
+// at run time where the CPU has it (cpu_features.h).
 //
 // Why it exists: the PyTorch path spends 1.5-3 ms of small ops per layer call (sort, gathers,
 // padding masks, several matmuls), more than the reads it saves below ~32K tokens.
