@@ -254,7 +254,13 @@ def test_cli_receptive_smoke(tmp_path):
     doc = _smoke(tmp_path, "receptive", ["--model", "smollm2-135m", "--windows", "2", "--length", "40",
                                          "--position", "4"], ["summary"])
     s = doc["summary"][0]
-    assert s["reach"] == 30 and s["last_nonzero_distance"] == 30 and s["zero_beyond_reach"] is True
+    assert s["reach"] == 30 and s["zero_beyond_reach"] is True
+    # Exactly zero beyond the reach is structural (the masks). At the reach itself the change has
+    # decayed through 30 layers to ~1e-5, a float32 ulp of the logits, so whether it survives
+    # rounding depends on the BLAS's summation order (seen once as 0 in a full local run); the
+    # exact "non-zero at every distance <= reach" is the tiny-model test above. Here: it reaches
+    # at least 25 of the 30.
+    assert 25 <= s["last_nonzero_distance"] <= 30
 
 
 @pytest.mark.real
