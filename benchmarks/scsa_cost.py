@@ -100,10 +100,9 @@ def main() -> int:
         for (o, tau), layer in layers.items():
             index = layer.indexes[0]
             calls = layer.counters["calls"]
-            s0, s1 = index.exact_slots(n)
             points.append({"n": n, "outliers": o, "tau": tau, "clusters": index.num_clusters,
                            "opened_rows": layer.counters["opened_rows"] / calls,
-                           "exact_rows": HKV * (s0 + n - s1 + index.extra_slots.shape[1]),
+                           "exact_rows": HKV * index.exact_count(n),
                            "us": t[(o, tau)], "dense_us": t["dense"]})
         print(f"N={n}: dense {t['dense']:.0f} us; " + ", ".join(
             f"out{p['outliers']} tau {p['tau']}: {p['us']:.0f} us ({p['opened_rows'] / (HKV * n):.0%} opened)"

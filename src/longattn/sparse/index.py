@@ -171,6 +171,12 @@ class ClusterIndex:
         (and, per KV head, the clusters' outliers ``extra_slots`` in between)."""
         return min(self.cfg.sink, n), self.seal_end
 
+    def exact_count(self, n: int) -> int:
+        """Rows read exactly per KV head for a cache of ``n`` slots (sink, outliers, suffix):
+        the length of each of ``exact_slot_lists(n)``'s rows, without building them."""
+        s0, s1 = self.exact_slots(n)
+        return s0 + self.extra_slots.shape[1] + n - s1
+
     def exact_slot_lists(self, n: int) -> torch.Tensor:
         """int64 ``[Hkv, E]``: every slot read exactly, per KV head, ascending (the sink, the
         outliers, the unsealed suffix)."""

@@ -317,7 +317,7 @@ class SCSALayer:
             out, sel, opened_rows = self._native_row(index, q_row, k_row, v_row, s0, s1, scale, taus)
         else:
             out, sel = self._sparse(index, self._prepare(index, q_row, k_row, v_row, scale), scale, taus)
-        self.counters["exact_rows"] += self.num_kv_heads * (s0 + n - s1 + index.extra_slots.shape[1])
+        self.counters["exact_rows"] += self.num_kv_heads * index.exact_count(n)
         self.counters["outlier_rows"] += self.num_kv_heads * index.extra_slots.shape[1]
         if sel is not None:
             if opened_rows is None:
@@ -398,9 +398,7 @@ class SCSALayer:
             prep = self._prepare(index, q[b, :, 0], k[b], v[b], scale)
             errors, opened = self.replay(index, prep, o_exact, scale)
             tables.append(errors)
-            s0, s1 = index.exact_slots(n)
-            exact = self.num_kv_heads * (s0 + n - s1 + index.extra_slots.shape[1])
-            reads.append((n, index.num_clusters, exact, opened))
+            reads.append((n, index.num_clusters, self.num_kv_heads * index.exact_count(n), opened))
         self.calibrator.record(tables, reads)
         if self.calibrator.done:
             self.set_taus(self.choose_taus())
