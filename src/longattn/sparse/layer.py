@@ -65,7 +65,6 @@ class SCSALayer:
         # heads that must attend exactly (no tau meets the tolerance; see exact_when_unmet)
         self.exact_heads = torch.zeros(num_kv_heads, dtype=torch.bool)
         self._runs_exact = False  # calibrated and exact_heads.any(), as a Python bool (hot path)
-        self._taus_arg = self.taus  # float32 contiguous taus as the native call takes them
         self.calibrated = cfg.calib_steps == 0
         self.calibrator = Calibrator(cfg.tau_grid, cfg.calib_steps, cfg.tolerance, num_kv_heads)
         # predicted sparse / dense cost at the calibrated taus (choose_taus; None before)
@@ -129,8 +128,7 @@ class SCSALayer:
         if t.numel() != self.num_kv_heads or not bool(((t >= 0) & (t <= 1)).all()):
             raise LongattnError(f"set_taus: need {self.num_kv_heads} values in [0, 1] (or None: exact), "
                                 f"got {taus}")
-        self.taus = t
-        self._taus_arg = t.contiguous()
+        self.taus = t  # float32, contiguous: the native call takes it as it is
         self.exact_heads = torch.tensor(exact, dtype=torch.bool)
         self.calibrated = True
         self._runs_exact = any(exact)
@@ -345,7 +343,7 @@ class SCSALayer:
         out, opened, rows = torch.ops.longattn_cpu.scsa_decode(
             q_row.float(), k_row, v_row, s0, s1, index.extra_slots, index.summ, index.resid, index.log_counts,
             index.radius, index.vmean, index.counts, M, st.kt, st.ks, st.vi, st.vs,
-            self._taus_arg if taus is self.taus else taus.float().contiguous(), float(scale))
+            taus if taus is self.taus else taus.float().contiguous(), float(scale))
         sel = Selection(opened, None, None, self.num_kv_heads * M)  # flat: tails = ~opened (see _accounting)
         return out.view(self.num_kv_heads, self.group, self.head_dim), sel, int(rows)
 
