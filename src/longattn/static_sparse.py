@@ -83,22 +83,16 @@ def scsa_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     """
     state = _STATES[key]
     outs = []
-    one = q.shape[0] == 1  # the common case: no per-stream narrowing (each view costs ~2 us)
     for b, n in enumerate(q_pos[:, 0].tolist()):
-        qb = q if one else q.narrow(0, b, 1)
+        qb = q.narrow(0, b, 1)
         if n < 0:
             outs.append(torch.zeros_like(qb))
             continue
         # write-ahead of the step's own key (see the module docstring): idempotent. select /
         # narrow rather than tuple indexing: ~10 of the ~50 us of Python around a call
-        if one:
-            k.select(2, n).copy_(k_new.select(2, 0))
-            v.select(2, n).copy_(v_new.select(2, 0))
-            kb, vb = k.narrow(2, 0, n + 1), v.narrow(2, 0, n + 1)
-        else:
-            k.select(0, b).select(1, n).copy_(k_new.select(0, b).select(1, 0))
-            v.select(0, b).select(1, n).copy_(v_new.select(0, b).select(1, 0))
-            kb, vb = k.narrow(0, b, 1).narrow(2, 0, n + 1), v.narrow(0, b, 1).narrow(2, 0, n + 1)
+        k.select(0, b).select(1, n).copy_(k_new.select(0, b).select(1, 0))
+        v.select(0, b).select(1, n).copy_(v_new.select(0, b).select(1, 0))
+        kb, vb = k.narrow(0, b, 1).narrow(2, 0, n + 1), v.narrow(0, b, 1).narrow(2, 0, n + 1)
         sc = None if n + 1 < state.cfg.min_context else state.layer(layer, b)
         if sc is None or sc.runs_exact:  # short cache, or no tau meets the tolerance here
             if sc is not None:
