@@ -92,6 +92,8 @@ def main():
                          "path, slow): what packing alone, and rounding alone, do to agreement")
     ap.add_argument("--cluster-sizes", nargs="+", type=int, default=[128],
                     help="one SCSA arm per SCSAConfig.cluster_size (all alternated with dense)")
+    ap.add_argument("--calib-quantiles", nargs="+", type=float, default=[SCSAConfig().calib_quantile],
+                    help="SCSAConfig.calib_quantile per arm (0.5: the median calibration error meets the tolerance)")
     ap.add_argument("--outliers", nargs="+", type=int, default=[SCSAConfig().outliers],
                     help="one SCSA arm per SCSAConfig.outliers (keys per cluster read exactly; times the "
                          "cluster sizes and tolerances)")
@@ -114,13 +116,15 @@ def main():
     steps = warm + args.rounds * len(forms) * args.block
     max_len = contexts[0] + steps + 1
     decs = {"dense": StaticDecoder(model, AttentionPolicy.from_config(ck.config), max_len=max_len, dynamic=True)}
-    arms = [(cs, tol, o) for cs in args.cluster_sizes for tol in args.tolerances for o in args.outliers]
+    arms = [(cs, tol, o, q) for cs in args.cluster_sizes for tol in args.tolerances for o in args.outliers
+            for q in args.calib_quantiles]
     sparse_arms = {}
-    for cs, tol, o in arms:
+    for cs, tol, o, q in arms:
         name = "sparse" + (f"-{cs}" if len(args.cluster_sizes) > 1 else "") + \
-            (f"@{tol:g}" if len(args.tolerances) > 1 else "") + (f"+out{o}" if len(args.outliers) > 1 else "")
+            (f"@{tol:g}" if len(args.tolerances) > 1 else "") + (f"+out{o}" if len(args.outliers) > 1 else "") + \
+            (f"~q{q:g}" if len(args.calib_quantiles) > 1 else "")
         scsa = SCSAConfig(min_context=0, calib_steps=args.calib, tolerance=tol, calib_metric=args.metric,
-                          cluster_size=cs, outliers=o)
+                          calib_quantile=q, cluster_size=cs, outliers=o)
         sparse_arms[name] = tol
         decs[name] = StaticDecoder(model, build_sparse_policy(ck.config, scsa), max_len=max_len, dynamic=True)
     if args.controls:  # tau 0, no calibration: every cluster opened, so no tail at all
@@ -205,6 +209,7 @@ def main():
     Path(args.out).write_text(json.dumps({
         "model": args.model, "weights": args.weights, "threads": args.threads, "rounds": args.rounds,
         "block": args.block, "tolerances": args.tolerances, "outliers": args.outliers, "metric": args.metric,
+        "calib_quantiles": args.calib_quantiles,
         "cpu": cpu_description(),
         "rows": rows}, indent=1))
     print(f"wrote {args.out}")

@@ -108,7 +108,7 @@ def opened_fraction(before: dict, after: dict, kv_heads: int, context_sum: int) 
 
 def sparse_cfg(args, packing: str, calib: int) -> SCSAConfig:
     return SCSAConfig(min_context=args.min_context, calib_steps=calib, tolerance=args.tolerance,
-                      packing=packing, calib_metric=args.metric, cluster_size=args.cluster_size,
+                      calib_quantile=args.calib_quantile, packing=packing, calib_metric=args.metric, cluster_size=args.cluster_size,
                       outliers=args.outliers)
 
 
@@ -253,6 +253,8 @@ def main() -> int:
     ap.add_argument("--tolerance", type=float, default=0.025, help="for free-running and retrieval")
     ap.add_argument("--packings", nargs="+", default=["q8_0", "f16"])
     ap.add_argument("--metric", choices=["head", "group"], default="head", help="SCSAConfig.calib_metric")
+    ap.add_argument("--calib-quantile", type=float, default=SCSAConfig().calib_quantile,
+                    help="SCSAConfig.calib_quantile (0.5: each head's median calibration error meets the tolerance)")
     ap.add_argument("--cluster-size", type=int, default=128)
     ap.add_argument("--outliers", type=int, default=SCSAConfig().outliers,
                     help="SCSAConfig.outliers (keys per cluster read exactly)")
@@ -281,7 +283,8 @@ def main() -> int:
     ids = ck.tokenizer(all_books_text())["input_ids"]
     dense_pol = AttentionPolicy.from_config(ck.config)
     cache = KVCache(ck.config, 1)
-    out = {"model": args.model, "dtype": "bfloat16", "metric": args.metric, "cluster_size": args.cluster_size,
+    out = {"model": args.model, "dtype": "bfloat16", "metric": args.metric, "calib_quantile": args.calib_quantile,
+           "cluster_size": args.cluster_size,
            "outliers": args.outliers,
            "tolerances": args.tolerances, "packings": args.packings, "min_context": args.min_context,
            "retrieval_calib": args.retrieval_calib, "controls": args.controls,

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from longattn.sparse import SCSALayer
+from longattn.errors import LongattnError
+from longattn.sparse import SCSAConfig, SCSALayer
 from longattn.sparse.calibrate import Calibrator, group_error, relative_error
 from sparse_fixtures import decode_run, one_thread, small_cfg as _small_cfg  # noqa: F401
 
@@ -68,6 +69,24 @@ def test_calibrator_choice_rules():
     assert torch.allclose(cal.choose(0.07), torch.tensor([0.2, 0.0, 0.4]))
     assert cal.unmet().tolist() == [False, True, False]  # head 1: no tau meets 0.05
     assert cal.unmet(0.5).tolist() == [False, False, False]
+
+
+def test_calibrator_quantile():
+    """0.5 is torch's (lower) median; a higher quantile judges each tau by a worse step."""
+    g = torch.Generator().manual_seed(0)
+    samples = [torch.rand(4, 2, generator=g, dtype=torch.float64).cumsum(0) * 0.02 for _ in range(10)]
+    median, high = (Calibrator((0.0, 0.1, 0.2, 0.4), steps=10, tolerance=0.05, num_kv_heads=2, quantile=q)
+                    for q in (0.5, 0.9))
+    for cal in (median, high):
+        for s in samples:
+            cal.record([s])
+    stacked = torch.stack(samples)
+    assert torch.equal(median.levels(), stacked.median(0).values)
+    assert torch.equal(high.levels(), stacked.sort(0).values[8])  # ceil(0.9 * 10) = 9th smallest
+    assert bool((high.choice() <= median.choice()).all())
+    assert bool((high.levels() >= median.levels()).all())
+    with pytest.raises(LongattnError, match="calib_quantile"):
+        SCSAConfig(calib_quantile=0.0)
 
 
 def test_loaded_taus_skip_calibration(decode, tmp_path):

@@ -10,7 +10,10 @@ head's error is at most r_max times its norm, so the sums of squares are too); i
 head's error by what it adds to the layer's output rather than relative to that one head's norm,
 which on real models is small for heads that mostly rest on a sink token.
 Then each head freezes the largest tau whose median error over the samples meets the tolerance
-(the smallest grid value when none does; ``tau_default`` when the head never saw a sample). The
+(the smallest grid value when none does; ``tau_default`` when the head never saw a sample);
+``quantile`` (SCSAConfig.calib_quantile) replaces the median by a higher order statistic, the
+``ceil(quantile * N)``-th smallest of N samples (0.5 is the median), for heads that must meet the
+tolerance on most steps rather than half of them. The
 samples are kept, so ``choose(tolerance=...)`` re-picks for another tolerance without rerunning.
 ``unmet`` names the heads for which no tau meets it: such a head cannot be served by the sparse
 read at all (SCSAConfig.exact_when_unmet). On Qwen2.5-0.5B's first layer the q8_0 packing alone
@@ -22,6 +25,8 @@ SCSAConfig.dense_when_cheaper).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -45,10 +50,12 @@ def group_error(o: torch.Tensor, o_exact: torch.Tensor, metric: str) -> torch.Te
 class Calibrator:
     """Collects replayed errors ``[T, Hkv]`` per sample and picks each head's tau."""
 
-    def __init__(self, grid: tuple, steps: int, tolerance: float, num_kv_heads: int) -> None:
+    def __init__(self, grid: tuple, steps: int, tolerance: float, num_kv_heads: int,
+                 quantile: float = 0.5) -> None:
         self.grid = torch.tensor(grid, dtype=torch.float64)
         self.steps = steps
         self.tolerance = tolerance
+        self.quantile = quantile
         self.hkv = num_kv_heads
         self.samples: list[torch.Tensor] = []  # each [T, Hkv]
         # per sample, what the sparse call would read at each tau: (n, clusters, exact rows,
@@ -68,23 +75,27 @@ class Calibrator:
             self.reads.extend(reads)
         self.calls += 1
 
-    def medians(self) -> torch.Tensor:
-        """Median replayed error per (tau, head): ``[T, Hkv]`` (NaN without samples)."""
+    def levels(self) -> torch.Tensor:
+        """Replayed error per (tau, head) at the calibration quantile, ``[T, Hkv]``: the
+        ``ceil(quantile * N)``-th smallest of the N samples, the (lower) median at 0.5 (NaN
+        without samples)."""
         if not self.samples:
             return torch.full((len(self.grid), self.hkv), float("nan"), dtype=torch.float64)
-        return torch.stack(self.samples).median(0).values
+        n = len(self.samples)
+        k = min(n, max(1, math.ceil(self.quantile * n)))
+        return torch.stack(self.samples).kthvalue(k, 0).values
 
     def unmet(self, tolerance: float | None = None) -> torch.Tensor:
-        """bool ``[Hkv]``: heads whose median error misses the tolerance at every grid tau
-        (False for heads without samples)."""
+        """bool ``[Hkv]``: heads whose error (at the quantile) misses the tolerance at every
+        grid tau (False for heads without samples)."""
         if not self.samples:
             return torch.zeros(self.hkv, dtype=torch.bool)
-        return ~(self.medians() <= (self.tolerance if tolerance is None else tolerance)).any(0)
+        return ~(self.levels() <= (self.tolerance if tolerance is None else tolerance)).any(0)
 
     def choice(self, tolerance: float | None = None) -> torch.Tensor:
-        """Grid position of each KV head's tau, int64 ``[Hkv]``: the largest tau whose median
-        error meets ``tolerance`` (default the configured one), else 0 (needs samples)."""
-        ok = self.medians() <= (self.tolerance if tolerance is None else tolerance)  # [T, Hkv]
+        """Grid position of each KV head's tau, int64 ``[Hkv]``: the largest tau whose error (at the
+        quantile) meets ``tolerance`` (default the configured one), else 0 (needs samples)."""
+        ok = self.levels() <= (self.tolerance if tolerance is None else tolerance)  # [T, Hkv]
         pos = torch.arange(len(self.grid)).unsqueeze(1).expand_as(ok)
         return torch.where(ok, pos, torch.zeros_like(pos)).amax(0)
 

@@ -53,6 +53,9 @@ class SCSAConfig:
             1/8 to 5/8 answers identical to dense, for ~13% of SCSA's step at 32K.
         calib_steps: decode calls (with an index) run exactly while calibrating tau.
         tolerance: target median relative output error per head during calibration.
+        calib_quantile: which order statistic of a head's calibration errors must meet the
+            tolerance: the ``ceil(q * N)``-th smallest of N (0.5, the default, is the median;
+            0.9 asks the tolerance of nine steps in ten, and opens more).
         tau_default: threshold before calibration ends and for heads never calibrated.
         tau_grid: thresholds replayed during calibration (ascending, in [0, 1]).
         calib_metric: "head" (worst query head's relative output error, the default) or
@@ -88,6 +91,7 @@ class SCSAConfig:
     outliers: int = 8
     calib_steps: int = 32
     tolerance: float = 0.025
+    calib_quantile: float = 0.5
     tau_default: float = 0.05
     tau_grid: tuple = DEFAULT_TAU_GRID
     calib_metric: str = "head"
@@ -132,6 +136,8 @@ class SCSAConfig:
             bad(f"calib_steps must be >= 0, got {self.calib_steps}")
         if not self.tolerance > 0:
             bad(f"tolerance must be > 0, got {self.tolerance}")
+        if not 0.0 < self.calib_quantile <= 1.0:
+            bad(f"calib_quantile must be in (0, 1], got {self.calib_quantile}")
         if not 0.0 <= self.tau_default <= 1.0:
             bad(f"tau_default must be in [0, 1], got {self.tau_default}")
         grid = tuple(float(t) for t in self.tau_grid)
