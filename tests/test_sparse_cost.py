@@ -90,3 +90,6 @@ def test_cli_flag_keeps_layers_sparse():
     for argv, want in (([], True), (["--sparse-always"], False)):
         pol = sparse_policy(config, p.parse_args(["--policy", "sparse"] + argv))
         assert pol.sparse_config.dense_when_cheaper is want
+    pol = sparse_policy(config, p.parse_args(["--policy", "sparse", "--sparse-calib-quantile", "0.9"]))
+    assert pol.sparse_config.calib_quantile == 0.9
+    assert sparse_policy(config, p.parse_args(["--policy", "sparse"])).sparse_config.calib_quantile == 0.5

@@ -67,17 +67,16 @@ def build_sparse_policy(cfg, scsa: Optional[SCSAConfig] = None, layers: Optional
     return AttentionPolicy(out, sparse_config=scsa or SCSAConfig())
 
 
+# the CLI's --sparse-* options (argparse dest -> SCSAConfig field)
+CLI_FIELDS = (("sparse_min_context", "min_context"), ("sparse_tolerance", "tolerance"),
+              ("sparse_calib_quantile", "calib_quantile"), ("sparse_outliers", "outliers"),
+              ("sparse_dense_when_cheaper", "dense_when_cheaper"))
+
+
 def sparse_policy(cfg, args) -> AttentionPolicy:
     """CLI hook for ``--policy sparse`` (``--window/--sinks`` apply to non-sparse layers)."""
-    kw = {}
-    if getattr(args, "sparse_min_context", None) is not None:
-        kw["min_context"] = args.sparse_min_context
-    if getattr(args, "sparse_tolerance", None) is not None:
-        kw["tolerance"] = args.sparse_tolerance
-    if getattr(args, "sparse_outliers", None) is not None:
-        kw["outliers"] = args.sparse_outliers
-    if getattr(args, "sparse_dense_when_cheaper", None) is not None:
-        kw["dense_when_cheaper"] = args.sparse_dense_when_cheaper
+    # an option the user did not give is absent from args, leaving SCSAConfig's default
+    kw = {f: getattr(args, a) for a, f in CLI_FIELDS if getattr(args, a, None) is not None}
     return build_sparse_policy(cfg, SCSAConfig(**kw), window=args.window, sinks=args.sinks)
 
 

@@ -48,6 +48,9 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                    help="sparse: layers run dense below N cached tokens (default: 8192)")
     p.add_argument("--sparse-tolerance", type=float, default=argparse.SUPPRESS, metavar="T",
                    help="sparse: calibration's median relative output error per head (default: 0.025)")
+    p.add_argument("--sparse-calib-quantile", type=float, default=argparse.SUPPRESS, metavar="Q",
+                   help="sparse: which order statistic of a head's calibration errors must meet the "
+                        "tolerance (default: 0.5, the median; 0.9 = nine steps in ten, opens more)")
     p.add_argument("--sparse-outliers", type=int, default=argparse.SUPPRESS, metavar="K",
                    help="sparse: keys per cluster, farthest from its centroid, always read exactly; "
                         "0 = none (default: 8)")
