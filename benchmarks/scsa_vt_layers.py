@@ -7,6 +7,11 @@ layer exact) and on all layers. An answer that differs from dense with one spars
 layer whose selection the answer depends on; no single layer changing it while all layers do
 says the errors add up. Counted, not timed (bfloat16 weights, as scsa_quality.py).
 
+``--errors`` adds, per prompt, one more arm that stays in calibration for the whole answer (exact
+attention, so the dense answer) while every layer replays its sparse read at every tau of the
+grid: each layer's relative output error (group metric) at its book-calibrated tau on the
+answer's steps, median and worst, to set beside the tolerance the book steps met.
+
     python benchmarks/scsa_vt_layers.py --taus benchmarks/results/scsa_quality_s14_vt.json \\
         --seeds 42 43 46 48
 
@@ -31,10 +36,35 @@ from longattn.lab import tasks as T  # noqa: E402
 from longattn.models import build_model  # noqa: E402
 from longattn.policy import AttentionPolicy  # noqa: E402
 from longattn.sparse import SCSAConfig  # noqa: E402
-from longattn.sparse_policy import build_sparse_policy, preset_taus  # noqa: E402
+from longattn.sparse_policy import build_sparse_policy, preset_taus, sparse_ops  # noqa: E402
 from scsa_quality import Progress, greedy, truncate  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def answer_errors(model, ck, cache, pid, smp, n0, taus, args, progress, stop, decode) -> dict:
+    """``{layer: {"median": [per KV head], "max": [...], "steps": n}}``: the replayed error at
+    each head's book tau over the exact arm's answer steps (None for a head run exactly)."""
+    cfg = SCSAConfig(min_context=0, calib_steps=10 ** 9, calib_metric="group", outliers=args.outliers)
+    pol = build_sparse_policy(ck.config, cfg)
+    greedy(model, cache, pol, pid[-1], smp.max_new_tokens, "errors", progress, stop,
+           lambda o: T.settled(smp, decode(o)))
+    truncate(cache, n0)
+    out = {}
+    for op in sparse_ops(pol):
+        cal = op.scsa.calibrator
+        errs = torch.stack(cal.samples)  # [steps, T, Hkv]
+        med, worst = [], []
+        for h, t in enumerate(taus[op.layer_index]):
+            if t is None:
+                med.append(None)
+                worst.append(None)
+                continue
+            i = int((cal.grid - t).abs().argmin())
+            med.append(float(errs[:, i, h].median()))
+            worst.append(float(errs[:, i, h].max()))
+        out[op.layer_index] = {"median": med, "max": worst, "steps": len(cal.samples)}
+    return out
 
 
 def main() -> int:
@@ -46,6 +76,9 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--seeds", nargs="+", type=int, default=[42])
     ap.add_argument("--outliers", type=int, default=SCSAConfig().outliers)
+    ap.add_argument("--errors", action="store_true",
+                    help="also replay every layer's sparse read on the answer's steps (exact arm)")
+    ap.add_argument("--no-single", action="store_true", help="skip the one-sparse-layer arms (dense and all only)")
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(RESULTS / "scsa_vt_layers.json"))
@@ -71,7 +104,7 @@ def main() -> int:
         preset_taus(pol, ck.config, {li: (taus[li] if li in only else exact[li]) for li in layers})
         return pol
 
-    arms = {"all": set(layers), **{f"layer{li}": {li} for li in layers}}
+    arms = {"all": set(layers), **({} if args.no_single else {f"layer{li}": {li} for li in layers})}
     out = {"model": args.model, "task": args.task, "context": args.context, "taus_from": args.taus, "taus_key": key,
            "outliers": args.outliers, "records": []}
     with torch.inference_mode():
@@ -90,10 +123,14 @@ def main() -> int:
                              lambda o: T.settled(smp, decode(o)))
                 truncate(cache, n0)
                 answers[arm] = {"tokens": gen, "score": T.score(smp, decode(gen))}
+            if args.errors:
+                rec_err = answer_errors(model, ck, cache, pid, smp, n0, taus, args, progress, stop, decode)
             changed = [a for a in arms if answers[a]["tokens"] != answers["dense"]["tokens"]]
             rec = {"seed": seed, "dense_score": answers["dense"]["score"],
                    "dense_prediction": decode(answers["dense"]["tokens"]),
                    "changed_by": changed, "scores": {a: answers[a]["score"] for a in changed}}
+            if args.errors:
+                rec["answer_errors"] = rec_err
             out["records"].append(rec)
             progress.done(f"#{seed}: dense {rec['dense_score']}; answer changed by {changed or 'none'}")
             RESULTS.mkdir(parents=True, exist_ok=True)
