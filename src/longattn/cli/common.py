@@ -47,7 +47,8 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sparse-min-context", type=int, default=argparse.SUPPRESS, metavar="N",
                    help="sparse: layers run dense below N cached tokens (default: 8192)")
     p.add_argument("--sparse-tolerance", type=float, default=argparse.SUPPRESS, metavar="T",
-                   help="sparse: calibration's median relative output error per head (default: 0.025)")
+                   help="sparse: relative output error per head that calibration holds the median "
+                        "(or --sparse-calib-quantile's order statistic) of its errors to (default: 0.025)")
     p.add_argument("--sparse-calib-quantile", type=float, default=argparse.SUPPRESS, metavar="Q",
                    help="sparse: which order statistic of a head's calibration errors must meet the "
                         "tolerance (default: 0.5, the median; 0.9 = nine steps in ten, opens more)")

@@ -52,7 +52,8 @@ class SCSAConfig:
             (6.25% of a 128-key cluster): on Qwen2.5-0.5B variable tracking at 4K went from
             1/8 to 5/8 answers identical to dense, for ~13% of SCSA's step at 32K.
         calib_steps: decode calls (with an index) run exactly while calibrating tau.
-        tolerance: target median relative output error per head during calibration.
+        tolerance: target relative output error per head during calibration (met by the
+            median of its calibration errors, or the order statistic calib_quantile names).
         calib_quantile: which order statistic of a head's calibration errors must meet the
             tolerance: the ``ceil(q * N)``-th smallest of N (0.5, the default, is the median;
             0.9 asks the tolerance of nine steps in ten, and opens more).
