@@ -108,7 +108,8 @@ def opened_fraction(before: dict, after: dict, kv_heads: int, context_sum: int) 
 
 def sparse_cfg(args, packing: str, calib: int) -> SCSAConfig:
     return SCSAConfig(min_context=args.min_context, calib_steps=calib, tolerance=args.tolerance,
-                      calib_quantile=args.calib_quantile, packing=packing, calib_metric=args.metric, cluster_size=args.cluster_size,
+                      calib_quantile=args.calib_quantile, packing=packing, calib_metric=args.metric,
+                      cluster_size=args.cluster_size,
                       outliers=args.outliers)
 
 

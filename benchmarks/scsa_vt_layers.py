@@ -9,8 +9,8 @@ says the errors add up. Counted, not timed (bfloat16 weights, as scsa_quality.py
 
 ``--errors`` adds, per prompt, one more arm that stays in calibration for the whole answer (exact
 attention, so the dense answer) while every layer replays its sparse read at every tau of the
-grid: each layer's relative output error (group metric) at its book-calibrated tau on the
-answer's steps, median and worst, to set beside the tolerance the book steps met.
+grid: each layer's relative output error (the book calibration's metric) at its book-calibrated
+tau on the answer's steps, median and worst, to set beside the tolerance the book steps met.
 
     python benchmarks/scsa_vt_layers.py --taus benchmarks/results/scsa_quality_s14_vt.json \\
         --seeds 42 43 46 48
@@ -42,10 +42,11 @@ from scsa_quality import Progress, greedy, truncate  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def answer_errors(model, ck, cache, pid, smp, n0, taus, args, progress, stop, decode) -> dict:
-    """``{layer: {"median": [per KV head], "max": [...], "steps": n}}``: the replayed error at
-    each head's book tau over the exact arm's answer steps (None for a head run exactly)."""
-    cfg = SCSAConfig(min_context=0, calib_steps=10 ** 9, calib_metric="group", outliers=args.outliers)
+def answer_errors(model, ck, cache, pid, smp, n0, taus, metric, args, progress, stop, decode) -> dict:
+    """``{layer: {"median": [per KV head], "max": [...], "steps": n}}``: the replayed error (the
+    book calibration's ``metric``) at each head's book tau over the exact arm's answer steps (None
+    for a head run exactly)."""
+    cfg = SCSAConfig(min_context=0, calib_steps=10 ** 9, calib_metric=metric, outliers=args.outliers)
     pol = build_sparse_policy(ck.config, cfg)
     greedy(model, cache, pol, pid[-1], smp.max_new_tokens, "errors", progress, stop,
            lambda o: T.settled(smp, decode(o)))
@@ -84,7 +85,8 @@ def main() -> int:
     ap.add_argument("--out", default=str(RESULTS / "scsa_vt_layers.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    row = json.loads(Path(args.taus).read_text())["rows"][0]
+    book = json.loads(Path(args.taus).read_text())
+    row, metric = book["rows"][0], book["metric"]
     key = args.taus_key or next(iter(row["taus"]))
     taus = {int(li): t for li, t in row["taus"][key].items()}
     progress = Progress()
@@ -123,14 +125,13 @@ def main() -> int:
                              lambda o: T.settled(smp, decode(o)))
                 truncate(cache, n0)
                 answers[arm] = {"tokens": gen, "score": T.score(smp, decode(gen))}
-            if args.errors:
-                rec_err = answer_errors(model, ck, cache, pid, smp, n0, taus, args, progress, stop, decode)
             changed = [a for a in arms if answers[a]["tokens"] != answers["dense"]["tokens"]]
             rec = {"seed": seed, "dense_score": answers["dense"]["score"],
                    "dense_prediction": decode(answers["dense"]["tokens"]),
                    "changed_by": changed, "scores": {a: answers[a]["score"] for a in changed}}
             if args.errors:
-                rec["answer_errors"] = rec_err
+                rec["answer_errors"] = answer_errors(model, ck, cache, pid, smp, n0, taus, metric, args, progress,
+                                                     stop, decode)
             out["records"].append(rec)
             progress.done(f"#{seed}: dense {rec['dense_score']}; answer changed by {changed or 'none'}")
             RESULTS.mkdir(parents=True, exist_ok=True)
