@@ -28,6 +28,8 @@ from sparse_fixtures import one_thread  # noqa: F401  (autouse)
     (dict(tree_order="time"), "tree_order"),
     (dict(calib_metric="max"), "calib_metric must be one of head, group"),
     (dict(outliers=-1), "outliers must be >= 0"),
+    (dict(refine=-1), "refine must be >= 0"),
+    (dict(refine=1, hierarchical=True), "refine applies to flat selection"),
 ])
 def test_config_rejects_bad_settings(kwargs, needle):
     with pytest.raises(LongattnError) as e:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from longattn.sparse import SCSALayer
-from longattn.sparse.kernel import stop_counts
+from longattn.sparse.kernel import NEG_INF, stop_counts
 from longattn.sparse.tree import build_tree, similarity_order
 from sparse_fixtures import attn_case, one_thread, small_cfg as _small_cfg  # noqa: F401
 
@@ -21,11 +21,13 @@ def case():
     return attn_case(N, H, HKV, D, seed=5, queries=3, query_seed=2, centers=24)
 
 
-@pytest.mark.parametrize("hierarchical, outliers", [(False, 0), (True, 0), (False, 4), (True, 4)])
+@pytest.mark.parametrize("hierarchical, outliers, refine",
+                         [(False, 0, 0), (True, 0, 0), (False, 4, 0), (True, 4, 0), (False, 4, 2)])
 @pytest.mark.parametrize("tau", [0.0, 0.003, 0.03, 0.3, 1.0])
-def test_every_key_counted_exactly_once(case, hierarchical, outliers, tau):
+def test_every_key_counted_exactly_once(case, hierarchical, outliers, refine, tau):
     qs, k, v, scale = case
-    layer = SCSALayer(small_cfg(hierarchical=hierarchical, tau_default=tau, outliers=outliers), H, HKV, D)
+    layer = SCSALayer(small_cfg(hierarchical=hierarchical, tau_default=tau, outliers=outliers, refine=refine),
+                      H, HKV, D)
     before = dict(layer.counters)
     for q in qs:
         layer.attend(q, k, v, scale)
@@ -87,6 +89,47 @@ def test_fast_path_matches_serial_reference(case, packing, hierarchical, tau, ou
         assert 0 < int(fast._last[0][1].opened.sum()) < fast._last[0][1].opened.numel()
         assert (a.double() - b.double()).abs().max().item() < 2e-5 * v.abs().max().item()
     assert fast.counters == slow.counters
+
+
+@pytest.mark.parametrize("packing", ["f32", "q8_0"])
+@pytest.mark.parametrize("tau, outliers", [(0.01, 0), (0.1, 0), (0.1, 3)])
+def test_refined_rule_matches_serial_reference(case, packing, tau, outliers):
+    """refine: the PyTorch path re-decides as the float64 path does, only ever opening more."""
+    qs, k, v, scale = case
+    kw = dict(packing=packing, tau_default=tau, outliers=outliers)
+    fast = SCSALayer(small_cfg(refine=2, **kw), H, HKV, D)
+    slow = SCSALayer(small_cfg(refine=2, serial=True, **kw), H, HKV, D)
+    once = SCSALayer(small_cfg(**kw), H, HKV, D)
+    grew = 0
+    for q in qs:
+        a, b = fast.attend(q, k, v, scale), slow.attend(q, k, v, scale)
+        once.attend(q, k, v, scale)
+        refined, single = fast._last[0][1].opened, once._last[0][1].opened
+        assert torch.equal(refined, slow._last[0][1].opened)
+        assert not bool((single & ~refined).any())
+        grew += int(refined.sum()) - int(single.sum())
+        assert (a.double() - b.double()).abs().max().item() < 2e-5 * v.abs().max().item()
+    assert grew > 0  # the re-decision opened more somewhere, or this case tests nothing
+    assert fast.counters == slow.counters
+
+
+@pytest.mark.parametrize("tau", [0.003, 0.03, 0.3])
+def test_refined_rule_holds_with_exact_masses(case, tau):
+    """Refined to a fixed point, each query head's unopened estimated mass is below tau times the
+    total in which every opened cluster counts with its exact mass."""
+    qs, k, v, scale = case
+    layer = SCSALayer(small_cfg(refine=16, tau_default=tau), H, HKV, D)
+    for q in qs:
+        layer.attend(q, k, v, scale)
+        index, opened = layer.indexes[0], layer._last[0][1].opened  # [Hkv, M]
+        prep = layer._prepare(index, q[0, :, 0], k[0], v[0], scale)
+        log_mass = layer._cluster_log_mass(index, prep, torch.ones_like(opened), scale)  # [Hkv, g, M]
+        o = opened.unsqueeze(1).expand_as(log_mass)
+        unopened = prep["est"].masked_fill(o, NEG_INF).logsumexp(-1).double()  # [Hkv, g]
+        captured = torch.logaddexp(prep["log_exact"], log_mass.masked_fill(~o, NEG_INF).logsumexp(-1)).double()
+        holds = unopened.exp() < tau * (captured.exp() + unopened.exp())
+        assert bool((holds | ~(~opened).any(1, keepdim=True)).all())
+        assert 0 < int(opened.sum()) < opened.numel()
 
 
 def test_tree_walk_cost_tracks_the_opened_set():

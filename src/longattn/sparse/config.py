@@ -70,6 +70,14 @@ class SCSAConfig:
             (``longattn_cpu::scsa_decode``) where it is built; False keeps the PyTorch ops
             (the reference the kernel is tested against, and an A/B arm for benchmarks).
         min_context: below this many cached tokens the layer runs dense, exactly.
+        refine: re-decisions after the read (flat selection, PyTorch path). Each one replaces
+            the opened clusters' estimated masses in the stop rule's total by their exact masses
+            (over the packed rows) and opens, best-first, what the rule then still needs. The
+            first decision is taken on estimates alone, and the clusters it opens first are the
+            ones most overestimated (a mixed cluster's capped estimate can sit tens of nats
+            above its true mass), which shrinks every other cluster's share of the estimated
+            total; a re-decision only ever opens more. 0 (default) keeps the single decision
+            taken before any read. Calibration replays the same rule.
         dense_when_cheaper: at the end of calibration, a layer whose sparse calls (at the taus
             it chose, over the calibration calls' opened and exact rows, median) are predicted
             to cost more than its dense read attends densely, exactly, instead: every KV head's
@@ -104,6 +112,7 @@ class SCSAConfig:
     exact_when_unmet: bool = True
     min_context: int = 8192
     dense_when_cheaper: bool = True
+    refine: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -151,5 +160,9 @@ class SCSAConfig:
             bad(f"tree_fanout must be >= 2, got {self.tree_fanout}")
         if self.tree_order not in TREE_ORDERS:
             bad(f"tree_order must be one of {', '.join(TREE_ORDERS)}, got {self.tree_order!r}")
+        if self.refine < 0:
+            bad(f"refine must be >= 0 (re-decisions after the read; 0 = none), got {self.refine}")
+        if self.refine and self.hierarchical:
+            bad("refine applies to flat selection; set hierarchical=False or refine=0")
         if self.min_context < 0:
             bad(f"min_context must be >= 0, got {self.min_context}")

@@ -25,7 +25,8 @@ from ..ops import native
 from .calibrate import Calibrator, group_error
 from .config import SCSAConfig
 from .index import ClusterIndex
-from .kernel import (NEG_INF, Selection, cluster_scores, mask_to_ids, merged_output, needed, select_flat,
+from .kernel import (NEG_INF, Selection, cluster_scores, mask_to_ids, merged_output, needed, refine_opened,
+                     select_flat,
                      select_tree)
 from .serial import serial_row
 
@@ -261,7 +262,38 @@ class SCSALayer:
             sel, tail = select_tree(prep["qg"], index.tree, prep["log_exact"], taus, scale)
             return sel, tail, _gather_rows(index.tree.vmean, sel.tail_ids)
         sel = select_flat(prep["est"], prep["log_exact"], taus)
+        if self.cfg.refine:
+            sel = self.refine(index, prep, sel, taus, scale, self.cfg.refine)
         return sel, prep["tail"], index.live_vmean
+
+    def refine(self, index: ClusterIndex, prep: dict, sel: Selection, taus: torch.Tensor, scale: float,
+               rounds: int) -> Selection:
+        """A flat selection re-decided up to ``rounds`` times with the opened clusters' exact masses
+        (``kernel.refine_opened``; stops early once nothing more opens)."""
+        opened = sel.opened
+        for _ in range(rounds):
+            more = refine_opened(opened, prep["est"], prep["log_exact"],
+                                 self._cluster_log_mass(index, prep, opened, scale), taus)
+            if torch.equal(more, opened):
+                break
+            opened = more
+        return Selection(opened, sel.tail_ids, ~opened, sel.scored)
+
+    def _cluster_log_mass(self, index: ClusterIndex, prep: dict, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        """Exact log-mass of the clusters in ``mask`` (bool ``[Hkv, M]``) over their packed rows,
+        as the read scores them: ``[Hkv, g, M]``, -inf outside ``mask``."""
+        hkv, M = mask.shape
+        out = prep["qg"].new_full((hkv, self.group, M + 1), NEG_INF)
+        idx, valid, _ = mask_to_ids(mask)
+        if idx.shape[1] == 0:
+            return out[..., :M]
+        if "qprep" not in prep:
+            prep["qprep"] = index.store.prepare_query(prep["qg"])
+        s = index.store.scores(prep["qprep"], idx, 0) * scale  # [Hkv, g, K * cs]
+        bias = torch.where(valid.unsqueeze(-1), index.pad_bias[idx], NEG_INF)  # [Hkv, K, cs]
+        lm = (s + bias.view(hkv, 1, -1)).view(hkv, self.group, idx.shape[1], -1).logsumexp(-1)
+        at = torch.where(valid, idx, torch.full_like(idx, M)).unsqueeze(1).expand_as(lm)
+        return out.scatter_(-1, at, lm)[..., :M]
 
     def _output(self, index: ClusterIndex, prep: dict, sel: Selection, tail, v_tail, scale: float):
         """One ascending sweep over the opened clusters' packed rows, merged with the exact rows and
@@ -330,7 +362,7 @@ class SCSALayer:
         """The C++ kernel covers flat selection over q8_0 rows with float32 caches whose rows are
         contiguous (the model's caches are; other layouts take the PyTorch path)."""
         cfg = self.cfg
-        if not cfg.native or cfg.hierarchical or cfg.packing != "q8_0" or index.num_clusters == 0:
+        if not cfg.native or cfg.hierarchical or cfg.refine or cfg.packing != "q8_0" or index.num_clusters == 0:
             return False
         D = self.head_dim
         return all(t.dtype == torch.float32 and t.stride(-1) == 1 and t.stride(-2) == D
@@ -372,7 +404,12 @@ class SCSALayer:
                 rows.append((sel.opened.long() * counts).sum(-1))
             return torch.stack(errs), torch.stack(rows)
         # one sort for the whole grid; equal selections share one output
-        opened = needed(prep["est"], prep["log_exact"], grid.unsqueeze(1).expand(-1, self.num_kv_heads))
+        taus = grid.unsqueeze(1).expand(-1, self.num_kv_heads)
+        opened = needed(prep["est"], prep["log_exact"], taus)
+        if self.cfg.refine:  # calibration reads everything anyway: every cluster's mass once
+            log_mass = self._cluster_log_mass(index, prep, torch.ones_like(opened[0]), scale)
+            for _ in range(self.cfg.refine):
+                opened = refine_opened(opened, prep["est"], prep["log_exact"], log_mass, taus)
         last, err = None, None
         for mask in opened:  # [Hkv, M] per tau
             if last is None or not torch.equal(mask, last):

@@ -59,6 +59,12 @@ def serial_row(cfg, index, q_row: torch.Tensor, k_row: torch.Tensor, v_row: torc
     opened_all = torch.zeros(hkv, M, dtype=torch.bool)
     tails: list[list[int]] = []
     scored = 0
+    def member_logits(h: int, j: int, c: int) -> list:
+        """Logits of cluster c's packed rows for query head j of KV head h, as the read scores them."""
+        kc = index.store.cluster_rows(h, c)[0]  # keys relative to key_center(h, c)
+        qc = float(q64[j] @ index.store.key_center(h, c))  # centre term: full-precision query
+        return [beta * (qc + float(q_store[j] @ kc[i])) for i in range(int(index.counts[c]))]
+
     for h in range(hkv):
         qs = q_row[h * g:(h + 1) * g].float()
         q64 = qs.double()  # exact rows and tails see the full-precision query
@@ -81,6 +87,14 @@ def serial_row(cfg, index, q_row: torch.Tensor, k_row: torch.Tensor, v_row: torc
             chosen = set()
             for j in range(g):
                 chosen |= set(_prefix(est[j], log_exact[j], tau))
+            for _ in range(cfg.refine):  # re-decide with the opened clusters' exact masses
+                more = set()
+                for j in range(g):
+                    captured = _logsumexp([log_exact[j]] + [_logsumexp(member_logits(h, j, c)) for c in chosen])
+                    more |= set(_prefix({c: est[j][c] for c in range(M) if c not in chosen}, captured, tau))
+                if not more:
+                    break
+                chosen |= more
             tail_nodes = [c for c in range(M) if c not in chosen]
         else:
             tree = index.tree
@@ -119,11 +133,9 @@ def serial_row(cfg, index, q_row: torch.Tensor, k_row: torch.Tensor, v_row: torc
         for j in range(g):
             logits, rows = list(exact_logits[j]), [vx[i] for i in range(len(exact_slots))]
             for c in sorted(chosen):
-                kc, vc = index.store.cluster_rows(h, c)  # keys relative to key_center(h, c)
-                qc = float(q64[j] @ index.store.key_center(h, c))  # centre term: full-precision query
-                for i in range(int(index.counts[c])):
-                    logits.append(beta * (qc + float(q_store[j] @ kc[i])))
-                    rows.append(vc[i])
+                logits.extend(member_logits(h, j, c))
+                vc = index.store.cluster_rows(h, c)[1]
+                rows.extend(vc[i] for i in range(int(index.counts[c])))
             for x in tail_nodes:
                 logits.append(_estimate(q64[j], summ[x], resid[x], counts[x], radius[x], beta)[0])
                 rows.append(vmean[x])
