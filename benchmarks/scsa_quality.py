@@ -110,7 +110,7 @@ def sparse_cfg(args, packing: str, calib: int) -> SCSAConfig:
     return SCSAConfig(min_context=args.min_context, calib_steps=calib, tolerance=args.tolerance,
                       calib_quantile=args.calib_quantile, packing=packing, calib_metric=args.metric,
                       cluster_size=args.cluster_size,
-                      outliers=args.outliers)
+                      outliers=args.outliers, refine=args.refine)
 
 
 def nll(model, cache, policy, first: int, cont: list) -> float:
@@ -260,6 +260,8 @@ def main() -> int:
     ap.add_argument("--outliers", type=int, default=SCSAConfig().outliers,
                     help="SCSAConfig.outliers (keys per cluster read exactly)")
     ap.add_argument("--min-context", type=int, default=0)
+    ap.add_argument("--refine", type=int, default=SCSAConfig().refine,
+                    help="SCSAConfig.refine: re-decisions of the stop rule after the read")
     ap.add_argument("--tasks", nargs="*", default=list(RETRIEVAL_TASKS))
     ap.add_argument("--samples", type=int, default=2, help="retrieval prompts per task")
     ap.add_argument("--seed", type=int, default=42)
@@ -286,7 +288,7 @@ def main() -> int:
     cache = KVCache(ck.config, 1)
     out = {"model": args.model, "dtype": "bfloat16", "metric": args.metric, "calib_quantile": args.calib_quantile,
            "cluster_size": args.cluster_size,
-           "outliers": args.outliers,
+           "outliers": args.outliers, "refine": args.refine,
            "tolerances": args.tolerances, "packings": args.packings, "min_context": args.min_context,
            "retrieval_calib": args.retrieval_calib, "controls": args.controls,
            "opened_fraction_definition": "opened_rows / (calls * kv_heads * cache length), after calibration",

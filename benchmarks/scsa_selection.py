@@ -131,9 +131,9 @@ def bench_selection(n: int, regime: str, queries: int, repeats: int, tau: float,
                     scored[name].append(sel.scored)
                     opened[name].append(int(sel.opened.sum()))
     # Output error of each selection against dense attention (the price of a cheap selection).
-    errors = {"flat": [], "hier": []}
-    oracle, over = [], []
-    uncaptured = {"flat": [], "hier": []}
+    errors = {"flat": [], "hier": [], "refined": []}
+    oracle, over, refined_opened = [], [], []
+    uncaptured = {"flat": [], "hier": [], "refined": []}
     for q, p in zip(qs, preps):
         true = true_leaf_logmass(index, q[0, :, 0], cache.k[0, 0], beta)
         oracle.append(int(needed(true, p["log_exact"], taus).sum()))
@@ -141,8 +141,11 @@ def bench_selection(n: int, regime: str, queries: int, repeats: int, tau: float,
         dense = dense[0, :, 0].view(1, group, HEAD_DIM)  # [Hkv=1, g, D]
         full = layer._prepare(index, q[0, :, 0], cache.k[0], cache.v[0], beta, flat_scores=True)
         total = torch.logaddexp(torch.logsumexp(true, -1), p["log_exact"])  # [1, g] true log-mass
-        for name in ("flat", "hier"):
+        for name in ("flat", "hier", "refined"):
             sel, tail, v_tail = layer._select(index, full, beta, taus, hierarchical=name == "hier")
+            if name == "refined":  # flat, re-decided with the opened leaves' exact masses to a fixed point
+                sel = layer.refine(index, full, sel, taus, beta, rounds=64)  # to its fixed point
+                refined_opened.append(int(sel.opened.sum()))
             o = layer._output(index, full, sel, tail, v_tail, beta)
             errors[name].append(((o - dense).norm(dim=-1) / dense.norm(dim=-1)).median().item())
             # what the stop rule left out, in truth (tau bounds its estimate of this)
@@ -158,8 +161,10 @@ def bench_selection(n: int, regime: str, queries: int, repeats: int, tau: float,
         out[f"{name}_ms"] = round(median_ms(times[name]), 4)
         out[f"{name}_scored"] = statistics.median(scored[name])
         out[f"{name}_opened"] = statistics.median(opened[name])
+    for name in ("flat", "hier", "refined"):
         out[f"{name}_median_rel_err"] = round(statistics.median(errors[name]), 5)
         out[f"{name}_true_uncaptured"] = round(statistics.median(uncaptured[name]), 5)
+    out["refined_opened"] = statistics.median(refined_opened)
     out["oracle_opened"] = statistics.median(oracle)
     out["flat_opened_overestimate_nats"] = round(statistics.median(over), 2)
     out["flat_over_hier"] = round(out["flat_ms"] / out["hier_ms"], 3)
@@ -327,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
                      for name in ("flat", "hier")]
             print(f"select {regime:8s} N={n:8d} M={r['clusters']:5d}  {parts[0]}  {parts[1]}  "
                   f"oracle {r['oracle_opened']:.0f} opened  truly uncaptured flat {r['flat_true_uncaptured']:.3f} "
-                  f"hier {r['hier_true_uncaptured']:.3f}  opened overestimate {r['flat_opened_overestimate_nats']:.1f} nats  "
+                  f"hier {r['hier_true_uncaptured']:.3f}  refined: {r['refined_opened']:.0f} opened, uncaptured "
+                  f"{r['refined_true_uncaptured']:.3f}, err {r['refined_median_rel_err']:.3f}  opened overestimate {r['flat_opened_overestimate_nats']:.1f} nats  "
                   f"flat/hier {r['flat_over_hier']:.2f} time, "
                   f"{r['flat_scored'] / max(r['hier_scored'], 1):.2f} scored", flush=True)
     for n in att_sizes:

@@ -46,7 +46,8 @@ def answer_errors(model, ck, cache, pid, smp, n0, taus, metric, args, progress, 
     """``{layer: {"median": [per KV head], "max": [...], "steps": n}}``: the replayed error (the
     book calibration's ``metric``) at each head's book tau over the exact arm's answer steps (None
     for a head run exactly)."""
-    cfg = SCSAConfig(min_context=0, calib_steps=10 ** 9, calib_metric=metric, outliers=args.outliers)
+    cfg = SCSAConfig(min_context=0, calib_steps=10 ** 9, calib_metric=metric, outliers=args.outliers,
+                     refine=args.refine)
     pol = build_sparse_policy(ck.config, cfg)
     greedy(model, cache, pol, pid[-1], smp.max_new_tokens, "errors", progress, stop,
            lambda o: T.settled(smp, decode(o)))
@@ -87,6 +88,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     book = json.loads(Path(args.taus).read_text())
     row, metric = book["rows"][0], book["metric"]
+    args.refine = book.get("refine", 0)  # the stop rule the taus were calibrated for
     key = args.taus_key or next(iter(row["taus"]))
     taus = {int(li): t for li, t in row["taus"][key].items()}
     progress = Progress()
@@ -102,13 +104,14 @@ def main() -> int:
     exact = {li: [None] * len(taus[li]) for li in layers}
 
     def sparse_arm(only):
-        pol = build_sparse_policy(ck.config, SCSAConfig(min_context=0, calib_steps=0, outliers=args.outliers))
+        pol = build_sparse_policy(ck.config, SCSAConfig(min_context=0, calib_steps=0, outliers=args.outliers,
+                                                        refine=args.refine))
         preset_taus(pol, ck.config, {li: (taus[li] if li in only else exact[li]) for li in layers})
         return pol
 
     arms = {"all": set(layers), **({} if args.no_single else {f"layer{li}": {li} for li in layers})}
     out = {"model": args.model, "task": args.task, "context": args.context, "taus_from": args.taus, "taus_key": key,
-           "outliers": args.outliers, "records": []}
+           "outliers": args.outliers, "refine": args.refine, "records": []}
     with torch.inference_mode():
         for seed in args.seeds:
             smp = T.make_sample(args.task, encode, max(1, args.context // 2), args.context, seed)
