@@ -20,6 +20,11 @@ of the mass uncaptured (what any selection meeting tau in truth must open, hence
 ``*_true_uncaptured``, the mass fraction each selection really left unopened (its stop rule
 bounds only its estimate of that by tau), and ``flat_opened_overestimate_nats``, by how much
 the largest estimate among the leaves flat opened exceeds that leaf's true log-mass.
+Two more flat arms are judged alike (output error, truly uncaptured, opened): ``refined``, the
+stop rule re-decided with the opened leaves' exact masses until nothing more opens
+(SCSAConfig.refine), and ``bounded``, the same with every unopened leaf counted at its upper
+bound ``a + log m + beta |q| r`` instead of its estimate: a rule that holds tau in truth for any
+query, and what that guarantee costs in leaves opened.
 Part 2, attend: one full ``SCSALayer.attend`` (after its 32-call self-calibration) vs dense
 ``F.scaled_dot_product_attention`` at 4K .. 32K tokens for the Qwen2.5-0.5B head shape
 (14 query heads, 2 KV heads, head_dim 64), diffuse regime, with the relative error of the output.
@@ -131,9 +136,11 @@ def bench_selection(n: int, regime: str, queries: int, repeats: int, tau: float,
                     scored[name].append(sel.scored)
                     opened[name].append(int(sel.opened.sum()))
     # Output error of each selection against dense attention (the price of a cheap selection).
-    errors = {"flat": [], "hier": [], "refined": []}
-    oracle, over, refined_opened = [], [], []
-    uncaptured = {"flat": [], "hier": [], "refined": []}
+    arms = ("flat", "hier", "refined", "bounded")
+    errors = {name: [] for name in arms}
+    oracle, over = [], []
+    extra_opened = {"refined": [], "bounded": []}
+    uncaptured = {name: [] for name in arms}
     for q, p in zip(qs, preps):
         true = true_leaf_logmass(index, q[0, :, 0], cache.k[0, 0], beta)
         oracle.append(int(needed(true, p["log_exact"], taus).sum()))
@@ -141,11 +148,16 @@ def bench_selection(n: int, regime: str, queries: int, repeats: int, tau: float,
         dense = dense[0, :, 0].view(1, group, HEAD_DIM)  # [Hkv=1, g, D]
         full = layer._prepare(index, q[0, :, 0], cache.k[0], cache.v[0], beta, flat_scores=True)
         total = torch.logaddexp(torch.logsumexp(true, -1), p["log_exact"])  # [1, g] true log-mass
-        for name in ("flat", "hier", "refined"):
-            sel, tail, v_tail = layer._select(index, full, beta, taus, hierarchical=name == "hier")
-            if name == "refined":  # flat, re-decided with the opened leaves' exact masses to a fixed point
-                sel = layer.refine(index, full, sel, taus, beta, rounds=64)  # to its fixed point
-                refined_opened.append(int(sel.opened.sum()))
+        # "bounded": every unopened leaf counted at its upper bound a + log m + beta |q| r (no
+        # estimate), opened ones at their exact mass: the rule's tau then holds in truth, whatever
+        # the queries (up to the packing's rounding of the exact masses)
+        bound = {**full, "est": full["tail"] + beta * full["qg"].norm(dim=-1, keepdim=True) * index.live_radius.unsqueeze(1)}
+        for name in arms:
+            p_arm = bound if name == "bounded" else full
+            sel, tail, v_tail = layer._select(index, p_arm, beta, taus, hierarchical=name == "hier")
+            if name in extra_opened:  # flat, re-decided with the opened leaves' exact masses to a fixed point
+                sel = layer.refine(index, p_arm, sel, taus, beta, rounds=64)
+                extra_opened[name].append(int(sel.opened.sum()))
             o = layer._output(index, full, sel, tail, v_tail, beta)
             errors[name].append(((o - dense).norm(dim=-1) / dense.norm(dim=-1)).median().item())
             # what the stop rule left out, in truth (tau bounds its estimate of this)
@@ -161,10 +173,11 @@ def bench_selection(n: int, regime: str, queries: int, repeats: int, tau: float,
         out[f"{name}_ms"] = round(median_ms(times[name]), 4)
         out[f"{name}_scored"] = statistics.median(scored[name])
         out[f"{name}_opened"] = statistics.median(opened[name])
-    for name in ("flat", "hier", "refined"):
+    for name in arms:
         out[f"{name}_median_rel_err"] = round(statistics.median(errors[name]), 5)
         out[f"{name}_true_uncaptured"] = round(statistics.median(uncaptured[name]), 5)
-    out["refined_opened"] = statistics.median(refined_opened)
+    for name, counts in extra_opened.items():
+        out[f"{name}_opened"] = statistics.median(counts)
     out["oracle_opened"] = statistics.median(oracle)
     out["flat_opened_overestimate_nats"] = round(statistics.median(over), 2)
     out["flat_over_hier"] = round(out["flat_ms"] / out["hier_ms"], 3)
@@ -333,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"select {regime:8s} N={n:8d} M={r['clusters']:5d}  {parts[0]}  {parts[1]}  "
                   f"oracle {r['oracle_opened']:.0f} opened  truly uncaptured flat {r['flat_true_uncaptured']:.3f} "
                   f"hier {r['hier_true_uncaptured']:.3f}  refined: {r['refined_opened']:.0f} opened, uncaptured "
-                  f"{r['refined_true_uncaptured']:.3f}, err {r['refined_median_rel_err']:.3f}  opened overestimate {r['flat_opened_overestimate_nats']:.1f} nats  "
+                  f"{r['refined_true_uncaptured']:.3f}, err {r['refined_median_rel_err']:.3f}  bounded: "
+                  f"{r['bounded_opened']:.0f} opened, uncaptured {r['bounded_true_uncaptured']:.3f}  opened overestimate {r['flat_opened_overestimate_nats']:.1f} nats  "
                   f"flat/hier {r['flat_over_hier']:.2f} time, "
                   f"{r['flat_scored'] / max(r['hier_scored'], 1):.2f} scored", flush=True)
     for n in att_sizes:
