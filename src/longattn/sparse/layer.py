@@ -26,8 +26,7 @@ from .calibrate import Calibrator, group_error
 from .config import SCSAConfig
 from .index import ClusterIndex
 from .kernel import (NEG_INF, Selection, cluster_scores, mask_to_ids, merged_output, needed, refine_opened,
-                     select_flat,
-                     select_tree)
+                     select_flat, select_tree)
 from .serial import serial_row
 
 MAX_HEAD_DIM = 512

@@ -59,11 +59,14 @@ def serial_row(cfg, index, q_row: torch.Tensor, k_row: torch.Tensor, v_row: torc
     opened_all = torch.zeros(hkv, M, dtype=torch.bool)
     tails: list[list[int]] = []
     scored = 0
-    def member_logits(h: int, j: int, c: int) -> list:
-        """Logits of cluster c's packed rows for query head j of KV head h, as the read scores them."""
+
+    def member_logits(h: int, c: int, q_full: torch.Tensor, q_packed: torch.Tensor) -> list:
+        """Logits of cluster c's packed rows (KV head h) for one query head, as the read scores
+        them: the centre term with the full-precision query ``q_full``, the rows with the query
+        as the store sees it, ``q_packed`` (both float64 ``[D]``)."""
         kc = index.store.cluster_rows(h, c)[0]  # keys relative to key_center(h, c)
-        qc = float(q64[j] @ index.store.key_center(h, c))  # centre term: full-precision query
-        return [beta * (qc + float(q_store[j] @ kc[i])) for i in range(int(index.counts[c]))]
+        qc = float(q_full @ index.store.key_center(h, c))
+        return [beta * (qc + float(q_packed @ kc[i])) for i in range(int(index.counts[c]))]
 
     for h in range(hkv):
         qs = q_row[h * g:(h + 1) * g].float()
@@ -90,7 +93,8 @@ def serial_row(cfg, index, q_row: torch.Tensor, k_row: torch.Tensor, v_row: torc
             for _ in range(cfg.refine):  # re-decide with the opened clusters' exact masses
                 more = set()
                 for j in range(g):
-                    captured = _logsumexp([log_exact[j]] + [_logsumexp(member_logits(h, j, c)) for c in chosen])
+                    captured = _logsumexp([log_exact[j]] + [_logsumexp(member_logits(h, c, q64[j], q_store[j]))
+                                                             for c in chosen])
                     more |= set(_prefix({c: est[j][c] for c in range(M) if c not in chosen}, captured, tau))
                 if not more:
                     break
@@ -133,7 +137,7 @@ def serial_row(cfg, index, q_row: torch.Tensor, k_row: torch.Tensor, v_row: torc
         for j in range(g):
             logits, rows = list(exact_logits[j]), [vx[i] for i in range(len(exact_slots))]
             for c in sorted(chosen):
-                logits.extend(member_logits(h, j, c))
+                logits.extend(member_logits(h, c, q64[j], q_store[j]))
                 vc = index.store.cluster_rows(h, c)[1]
                 rows.extend(vc[i] for i in range(int(index.counts[c])))
             for x in tail_nodes:
