@@ -151,7 +151,8 @@ def bench_selection(n: int, regime: str, queries: int, repeats: int, tau: float,
         # "bounded": every unopened leaf counted at its upper bound a + log m + beta |q| r (no
         # estimate), opened ones at their exact mass: the rule's tau then holds in truth, whatever
         # the queries (up to the packing's rounding of the exact masses)
-        bound = {**full, "est": full["tail"] + beta * full["qg"].norm(dim=-1, keepdim=True) * index.live_radius.unsqueeze(1)}
+        cap = beta * full["qg"].norm(dim=-1, keepdim=True) * index.live_radius.unsqueeze(1)  # [1, g, M]
+        bound = {**full, "est": full["tail"] + cap}
         for name in arms:
             p_arm = bound if name == "bounded" else full
             sel, tail, v_tail = layer._select(index, p_arm, beta, taus, hierarchical=name == "hier")
@@ -347,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"oracle {r['oracle_opened']:.0f} opened  truly uncaptured flat {r['flat_true_uncaptured']:.3f} "
                   f"hier {r['hier_true_uncaptured']:.3f}  refined: {r['refined_opened']:.0f} opened, uncaptured "
                   f"{r['refined_true_uncaptured']:.3f}, err {r['refined_median_rel_err']:.3f}  bounded: "
-                  f"{r['bounded_opened']:.0f} opened, uncaptured {r['bounded_true_uncaptured']:.3f}  opened overestimate {r['flat_opened_overestimate_nats']:.1f} nats  "
+                  f"{r['bounded_opened']:.0f} opened, uncaptured {r['bounded_true_uncaptured']:.3f}  "
+                  f"opened overestimate {r['flat_opened_overestimate_nats']:.1f} nats  "
                   f"flat/hier {r['flat_over_hier']:.2f} time, "
                   f"{r['flat_scored'] / max(r['hier_scored'], 1):.2f} scored", flush=True)
     for n in att_sizes:
