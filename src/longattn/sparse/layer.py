@@ -270,11 +270,13 @@ class SCSALayer:
         """A flat selection re-decided up to ``rounds`` times with the opened clusters' exact masses
         (``kernel.refine_opened``; stops early once nothing more opens)."""
         opened = sel.opened
+        log_mass = self._cluster_log_mass(index, prep, opened, scale)
         for _ in range(rounds):
-            more = refine_opened(opened, prep["est"], prep["log_exact"],
-                                 self._cluster_log_mass(index, prep, opened, scale), taus)
+            more = refine_opened(opened, prep["est"], prep["log_exact"], log_mass, taus)
             if torch.equal(more, opened):
                 break
+            fresh = more & ~opened  # only the newly opened clusters are scored
+            log_mass = torch.where(fresh.unsqueeze(1), self._cluster_log_mass(index, prep, fresh, scale), log_mass)
             opened = more
         return Selection(opened, sel.tail_ids, ~opened, sel.scored)
 
@@ -283,25 +285,19 @@ class SCSALayer:
         as the read scores them: ``[Hkv, g, M]``, -inf outside ``mask``."""
         hkv, M = mask.shape
         out = prep["qg"].new_full((hkv, self.group, M + 1), NEG_INF)
-        idx, valid, _ = mask_to_ids(mask)
+        idx, valid, counts = mask_to_ids(mask)
         if idx.shape[1] == 0:
             return out[..., :M]
-        if "qprep" not in prep:
-            prep["qprep"] = index.store.prepare_query(prep["qg"])
-        s = index.store.scores(prep["qprep"], idx, 0) * scale  # [Hkv, g, K * cs]
-        bias = torch.where(valid.unsqueeze(-1), index.pad_bias[idx], NEG_INF)  # [Hkv, K, cs]
-        lm = (s + bias.view(hkv, 1, -1)).view(hkv, self.group, idx.shape[1], -1).logsumexp(-1)
+        s = self._open_scores(index, prep, 0, idx, valid, counts, scale)  # [Hkv, g, K * cs]
+        lm = s.view(hkv, self.group, idx.shape[1], -1).logsumexp(-1)
         at = torch.where(valid, idx, torch.full_like(idx, M)).unsqueeze(1).expand_as(lm)
         return out.scatter_(-1, at, lm)[..., :M]
 
     def _output(self, index: ClusterIndex, prep: dict, sel: Selection, tail, v_tail, scale: float):
         """One ascending sweep over the opened clusters' packed rows, merged with the exact rows and
         the tails: ``[Hkv, g, D]``."""
-        qg = prep["qg"]
         tail = tail.masked_fill(~sel.tail_mask.unsqueeze(1), NEG_INF)
         idx, valid, counts = mask_to_ids(sel.opened)  # ascending cluster ids per head, padded
-        if "qprep" not in prep and idx.shape[1]:
-            prep["qprep"] = index.store.prepare_query(qg)  # quantized once per call
         # Heads open different amounts; padding them to one batch wastes reads when they differ a
         # lot, then a loop over KV heads (a few more small ops) reads only what was opened.
         if len(counts) > 1 and len(counts) * max(counts) > PAD_WASTE * max(sum(counts), 1) + 8:
@@ -317,16 +313,25 @@ class SCSALayer:
         s_ex, v_ex = prep["s_ex"][h0:h0 + hh], prep["v_ex"][h0:h0 + hh]
         s_open = v_open = None
         if idx.shape[1]:
-            store = index.store
-            qprep = prep["qprep"]
-            if hh != self.num_kv_heads:
-                qprep = tuple(t[h0:h0 + hh] for t in qprep) if isinstance(qprep, tuple) else qprep[h0:h0 + hh]
-            s_open = store.scores(qprep, idx, h0) * scale  # [h, g, K*cs]
-            if index.has_padding or min(counts) < idx.shape[1]:
-                bias = torch.where(valid.unsqueeze(-1), index.pad_bias[idx], NEG_INF)  # [h, K, cs]
-                s_open = s_open + bias.view(hh, 1, -1)
-            v_open = store.values(idx, h0)
+            s_open = self._open_scores(index, prep, h0, idx, valid, counts, scale)
+            v_open = index.store.values(idx, h0)
         return merged_output(s_ex, v_ex, s_open, v_open, tail, v_tail)
+
+    def _open_scores(self, index, prep, h0, idx, valid, counts, scale):
+        """Scaled scores of KV heads ``h0 .. h0 + len(idx)``'s query heads with the packed rows of
+        clusters ``idx`` ``[h, K]`` (padding rows and invalid entries -inf): ``[h, g, K * cs]``.
+        The query is prepared (quantized, for q8_0) once per call and kept in ``prep``."""
+        if "qprep" not in prep:
+            prep["qprep"] = index.store.prepare_query(prep["qg"])
+        hh = idx.shape[0]
+        qprep = prep["qprep"]
+        if hh != self.num_kv_heads:
+            qprep = tuple(t[h0:h0 + hh] for t in qprep) if isinstance(qprep, tuple) else qprep[h0:h0 + hh]
+        s = index.store.scores(qprep, idx, h0) * scale  # [h, g, K*cs]
+        if index.has_padding or min(counts) < idx.shape[1]:
+            bias = torch.where(valid.unsqueeze(-1), index.pad_bias[idx], NEG_INF)  # [h, K, cs]
+            s = s + bias.view(hh, 1, -1)
+        return s
 
     def _sparse(self, index: ClusterIndex, prep: dict, scale: float, taus: torch.Tensor):
         """Output ``[Hkv, g, D]`` and the selection for one row at thresholds ``taus [Hkv]``."""
