@@ -30,6 +30,9 @@ from sparse_fixtures import one_thread  # noqa: F401  (autouse)
     (dict(outliers=-1), "outliers must be >= 0"),
     (dict(refine=-1), "refine must be >= 0"),
     (dict(refine=1, hierarchical=True), "refine applies to flat selection"),
+    (dict(probe_dims=-1), "probe_dims must be >= 0"),
+    (dict(probe_keys=0), "probe_keys >= 1"),
+    (dict(probe_dims=8, hierarchical=True), "the probe applies to flat selection"),
 ])
 def test_config_rejects_bad_settings(kwargs, needle):
     with pytest.raises(LongattnError) as e:

@@ -1,6 +1,8 @@
 """Selection: nothing dropped or double counted; flat == hierarchical when fully expanded;
 the fast path makes the same decisions as the serial float64 path."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -21,13 +23,14 @@ def case():
     return attn_case(N, H, HKV, D, seed=5, queries=3, query_seed=2, centers=24)
 
 
-@pytest.mark.parametrize("hierarchical, outliers, refine",
-                         [(False, 0, 0), (True, 0, 0), (False, 4, 0), (True, 4, 0), (False, 4, 2)])
+@pytest.mark.parametrize("hierarchical, outliers, refine, probe",
+                         [(False, 0, 0, 0), (True, 0, 0, 0), (False, 4, 0, 0), (True, 4, 0, 0), (False, 4, 2, 0),
+                          (False, 4, 0, 4)])
 @pytest.mark.parametrize("tau", [0.0, 0.003, 0.03, 0.3, 1.0])
-def test_every_key_counted_exactly_once(case, hierarchical, outliers, refine, tau):
+def test_every_key_counted_exactly_once(case, hierarchical, outliers, refine, probe, tau):
     qs, k, v, scale = case
-    layer = SCSALayer(small_cfg(hierarchical=hierarchical, tau_default=tau, outliers=outliers, refine=refine),
-                      H, HKV, D)
+    layer = SCSALayer(small_cfg(hierarchical=hierarchical, tau_default=tau, outliers=outliers, refine=refine,
+                                probe_dims=probe), H, HKV, D)
     before = dict(layer.counters)
     for q in qs:
         layer.attend(q, k, v, scale)
@@ -38,7 +41,7 @@ def test_every_key_counted_exactly_once(case, hierarchical, outliers, refine, ta
         assert torch.equal((acc["role"] == 1).sum(1), acc["opened_rows"])
         if tau == 0.0:
             assert int(acc["tail_rows"].sum()) == 0
-        if tau == 1.0:
+        if tau == 1.0 and not probe:
             assert int(acc["opened_rows"].sum()) == 0
     assert layer.counters["calls"] - before["calls"] == len(qs)
     assert layer.counters["rebuilds"] == 1
@@ -95,22 +98,64 @@ def test_fast_path_matches_serial_reference(case, packing, hierarchical, tau, ou
 @pytest.mark.parametrize("tau, outliers", [(0.01, 0), (0.1, 0), (0.1, 3)])
 def test_refined_rule_matches_serial_reference(case, packing, tau, outliers):
     """refine: the PyTorch path re-decides as the float64 path does, only ever opening more."""
-    qs, k, v, scale = case
     kw = dict(packing=packing, tau_default=tau, outliers=outliers)
-    fast = SCSALayer(small_cfg(refine=2, **kw), H, HKV, D)
-    slow = SCSALayer(small_cfg(refine=2, serial=True, **kw), H, HKV, D)
-    once = SCSALayer(small_cfg(**kw), H, HKV, D)
+    # the re-decision opened more somewhere, or this case tests nothing
+    assert _more_than_the_single_decision(case, small_cfg(refine=2, **kw), small_cfg(**kw)) > 0
+
+
+def _more_than_the_single_decision(case, cfg, single_cfg) -> int:
+    """Runs ``cfg`` on the PyTorch path and the float64 path, and ``single_cfg`` (the stop rule's
+    single decision) beside them: the paths open the same clusters and give outputs within the
+    fp32 bound, ``cfg`` never opens fewer than the single decision. Returns how many more it
+    opened over the case's queries."""
+    qs, k, v, scale = case
+    fast = SCSALayer(cfg, H, HKV, D)
+    slow = SCSALayer(replace(cfg, serial=True), H, HKV, D)
+    once = SCSALayer(single_cfg, H, HKV, D)
     grew = 0
     for q in qs:
         a, b = fast.attend(q, k, v, scale), slow.attend(q, k, v, scale)
         once.attend(q, k, v, scale)
-        refined, single = fast._last[0][1].opened, once._last[0][1].opened
-        assert torch.equal(refined, slow._last[0][1].opened)
-        assert not bool((single & ~refined).any())
-        grew += int(refined.sum()) - int(single.sum())
+        opened, single = fast._last[0][1].opened, once._last[0][1].opened
+        assert torch.equal(opened, slow._last[0][1].opened)
+        assert not bool((single & ~opened).any())
+        grew += int(opened.sum()) - int(single.sum())
         assert (a.double() - b.double()).abs().max().item() < 2e-5 * v.abs().max().item()
-    assert grew > 0  # the re-decision opened more somewhere, or this case tests nothing
     assert fast.counters == slow.counters
+    return grew
+
+
+@pytest.mark.parametrize("packing", ["f32", "q8_0"])
+@pytest.mark.parametrize("dims, keys, refine", [(4, 1, 0), (4, 3, 0), (D, 2, 0), (4, 3, 2)])
+def test_probe_matches_serial_reference(case, packing, dims, keys, refine):
+    """probe: the PyTorch path picks the clusters the float64 path picks, on top of the stop
+    rule's single decision (never fewer; refine then re-decides from the union), and opens more
+    somewhere."""
+    kw = dict(packing=packing, tau_default=0.5, outliers=3)
+    cfg = small_cfg(probe_dims=dims, probe_keys=keys, refine=refine, **kw)
+    assert _more_than_the_single_decision(case, cfg, small_cfg(**kw)) > 0
+
+
+def test_probe_over_every_dimension_opens_each_heads_top_keys(case):
+    """With every dimension scored (f32 packing) the probe's score is q.k: the clusters it opens
+    are exactly those holding each query head's best member keys, found here by brute force."""
+    qs, k, v, scale = case
+    keys = 3
+    layer = SCSALayer(small_cfg(packing="f32", probe_dims=D, probe_keys=keys, tau_default=1.0), H, HKV, D)
+    g = H // HKV
+    for q in qs:
+        layer.attend(q, k, v, scale)
+        index, opened = layer.indexes[0], layer._last[0][1].opened
+        M = index.num_clusters
+        want = torch.zeros_like(opened)
+        for h in range(HKV):
+            slots = index.slots[h, :M]  # [M, cs], -1 padding
+            cluster = torch.arange(M).unsqueeze(1).expand_as(slots)[slots >= 0]
+            s = q[0, h * g:(h + 1) * g, 0].float() @ k[0, h, slots[slots >= 0]].float().T  # [g, members]
+            for j in range(g):
+                want[h, cluster[s[j].topk(keys).indices]] = True
+        assert torch.equal(opened, want)  # tau 1 opens nothing by the rule: only the probe's
+        assert 0 < int(opened.sum()) <= HKV * g * keys
 
 
 @pytest.mark.parametrize("tau", [0.003, 0.03, 0.3])

@@ -78,6 +78,16 @@ class SCSAConfig:
             above its true mass), which shrinks every other cluster's share of the estimated
             total; a re-decision only ever opens more. 0 (default) keeps the single decision
             taken before any read. Calibration replays the same rule.
+        probe_dims: a key-level safety net for flat selection (0, the default, is off). Each
+            call scores every sealed member key approximately, ``q.c + q_S.(k - c)_S`` over the
+            ``probe_dims`` dimensions S where the query head's ``|q_i|`` is largest (c the key's
+            cluster centroid, exact; the offsets as packed), and the clusters holding each
+            query head's ``probe_keys`` best keys open whatever the stop rule says. The rule
+            ranks clusters by a Gaussian summary, which cannot see one key far out along the
+            query; on Qwen2.5-0.5B the answer steps of variable tracking hang on such keys
+            (opening each query head's single exact top key's cluster made 8 of 8 prompts
+            identical to dense, against 4 of 8). Calibration replays it; PyTorch path only.
+        probe_keys: keys per query head whose clusters the probe opens (>= 1).
         dense_when_cheaper: at the end of calibration, a layer whose sparse calls (at the taus
             it chose, over the calibration calls' opened and exact rows, median) are predicted
             to cost more than its dense read attends densely, exactly, instead: every KV head's
@@ -113,6 +123,8 @@ class SCSAConfig:
     min_context: int = 8192
     dense_when_cheaper: bool = True
     refine: int = 0
+    probe_dims: int = 0
+    probe_keys: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -164,5 +176,10 @@ class SCSAConfig:
             bad(f"refine must be >= 0 (re-decisions after the read; 0 = none), got {self.refine}")
         if self.refine and self.hierarchical:
             bad("refine applies to flat selection; set hierarchical=False or refine=0")
+        if self.probe_dims < 0 or self.probe_keys < 1:
+            bad(f"probe_dims must be >= 0 (0 = no probe) and probe_keys >= 1, got probe_dims="
+                f"{self.probe_dims} probe_keys={self.probe_keys}")
+        if self.probe_dims and self.hierarchical:
+            bad("the probe applies to flat selection; set hierarchical=False or probe_dims=0")
         if self.min_context < 0:
             bad(f"min_context must be >= 0, got {self.min_context}")

@@ -128,6 +128,23 @@ def refine_opened(opened: torch.Tensor, est: torch.Tensor, log_exact: torch.Tens
     return opened | needed(est.masked_fill(o, NEG_INF), captured, tau)
 
 
+def probe_mask(qg: torch.Tensor, dims: int) -> torch.Tensor:
+    """Each query head's ``dims`` largest-magnitude dimensions (ties: the lower dimension), as a
+    float 0/1 mask ``[Hkv, g, D]`` of ``qg`` ``[Hkv, g, D]``."""
+    order = qg.abs().sort(dim=-1, descending=True, stable=True).indices[..., :dims]
+    return torch.zeros_like(qg).scatter_(-1, order, 1.0)
+
+
+def probe_opened(scores: torch.Tensor, cluster_size: int, keys: int) -> torch.Tensor:
+    """Clusters holding each query head's ``keys`` best member rows: ``scores`` ``[Hkv, g, M * cs]``
+    (cluster-major, padding -inf) -> bool ``[Hkv, M]``, the union over the g query heads. Ties
+    go to the lower row (a stable sort), so every path makes the same choice."""
+    hkv, _, R = scores.shape
+    top = scores.sort(dim=-1, descending=True, stable=True).indices[..., :min(keys, R)]  # [Hkv, g, k]
+    opened = torch.zeros(hkv, R // cluster_size, dtype=torch.bool)
+    return opened.scatter_(1, (top // cluster_size).flatten(1), True)
+
+
 def mask_to_ids(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Opened clusters per head in ascending order, padded to the largest count.
 

@@ -25,8 +25,8 @@ from ..ops import native
 from .calibrate import Calibrator, group_error
 from .config import SCSAConfig
 from .index import ClusterIndex
-from .kernel import (NEG_INF, Selection, cluster_scores, mask_to_ids, merged_output, needed, refine_opened,
-                     select_flat, select_tree)
+from .kernel import (NEG_INF, Selection, cluster_scores, mask_to_ids, merged_output, needed, probe_mask,
+                     probe_opened, refine_opened, select_flat, select_tree)
 from .serial import serial_row
 
 MAX_HEAD_DIM = 512
@@ -261,6 +261,9 @@ class SCSALayer:
             sel, tail = select_tree(prep["qg"], index.tree, prep["log_exact"], taus, scale)
             return sel, tail, _gather_rows(index.tree.vmean, sel.tail_ids)
         sel = select_flat(prep["est"], prep["log_exact"], taus)
+        if self.cfg.probe_dims:
+            opened = sel.opened | self._probe(index, prep)
+            sel = Selection(opened, sel.tail_ids, ~opened, sel.scored)
         if self.cfg.refine:
             sel = self.refine(index, prep, sel, taus, scale, self.cfg.refine)
         return sel, prep["tail"], index.live_vmean
@@ -279,6 +282,27 @@ class SCSALayer:
             log_mass = torch.where(fresh.unsqueeze(1), self._cluster_log_mass(index, prep, fresh, scale), log_mass)
             opened = more
         return Selection(opened, sel.tail_ids, ~opened, sel.scored)
+
+    def _probe(self, index: ClusterIndex, prep: dict) -> torch.Tensor:
+        """The clusters the probe opens (``SCSAConfig.probe_dims``), bool ``[Hkv, M]``, kept in
+        ``prep`` so a call and its calibration replay compute it once.
+
+        Every member row of every cluster is scored ``q.c + q_S.(k - c)_S``: the store scores the
+        query masked to its ``probe_dims`` largest dimensions ``q_S`` (as it scores opened rows:
+        ``q_S.c_store + q_S.(k - c_store)``), and the rest of the centroid term ``(q - q_S).c``
+        is added per cluster."""
+        if "probe" in prep:
+            return prep["probe"]
+        qg, M, cs = prep["qg"], index.num_clusters, self.cfg.cluster_size
+        qm = qg * probe_mask(qg, min(self.cfg.probe_dims, self.head_dim))
+        ids = torch.arange(M).expand(self.num_kv_heads, M)
+        s = index.store.scores(index.store.prepare_query(qm), ids)  # [Hkv, g, M * cs]
+        centre = torch.bmm(qg - qm, index.live_summ[:, :, 0].transpose(1, 2))  # [Hkv, g, M]
+        s = s.view(*centre.shape, cs) + centre.unsqueeze(-1)
+        if index.has_padding:
+            s = s + index.pad_bias[:M]
+        prep["probe"] = probe_opened(s.flatten(2), cs, self.cfg.probe_keys)
+        return prep["probe"]
 
     def _cluster_log_mass(self, index: ClusterIndex, prep: dict, mask: torch.Tensor, scale: float) -> torch.Tensor:
         """Exact log-mass of the clusters in ``mask`` (bool ``[Hkv, M]``) over their packed rows,
@@ -366,7 +390,8 @@ class SCSALayer:
         """The C++ kernel covers flat selection over q8_0 rows with float32 caches whose rows are
         contiguous (the model's caches are; other layouts take the PyTorch path)."""
         cfg = self.cfg
-        if not cfg.native or cfg.hierarchical or cfg.refine or cfg.packing != "q8_0" or index.num_clusters == 0:
+        if (not cfg.native or cfg.hierarchical or cfg.refine or cfg.probe_dims or cfg.packing != "q8_0"
+                or index.num_clusters == 0):
             return False
         D = self.head_dim
         return all(t.dtype == torch.float32 and t.stride(-1) == 1 and t.stride(-2) == D
@@ -410,6 +435,8 @@ class SCSALayer:
         # one sort for the whole grid; equal selections share one output
         taus = grid.unsqueeze(1).expand(-1, self.num_kv_heads)
         opened = needed(prep["est"], prep["log_exact"], taus)
+        if self.cfg.probe_dims:  # the same clusters at every tau
+            opened = opened | self._probe(index, prep)
         if self.cfg.refine:  # calibration reads everything anyway: every cluster's mass once
             log_mass = self._cluster_log_mass(index, prep, torch.ones_like(opened[0]), scale)
             for _ in range(self.cfg.refine):

@@ -45,6 +45,27 @@ def _logsumexp(xs: list) -> float:
     return mx + math.log(math.fsum(math.exp(x - mx) for x in xs))
 
 
+def probe_clusters(cfg, index, h: int, qs: torch.Tensor) -> set:
+    """The clusters KV head ``h``'s probe opens (``SCSAConfig.probe_dims``) for its query heads
+    ``qs`` float32 ``[g, D]``: per query head, every member row scored ``q.c + q_S.(k - c)_S`` one
+    at a time, the ``probe_keys`` best rows by (score, cluster, row)."""
+    chosen = set()
+    D, cs = qs.shape[1], cfg.cluster_size
+    for q in qs:
+        dims = sorted(range(D), key=lambda i: (-abs(float(q[i])), i))[:cfg.probe_dims]
+        qm = torch.zeros_like(q)
+        qm[dims] = q[dims]
+        q_store = index.store.query_view(qm.view(1, 1, D))[0, 0].double()  # q_S as the store scores it
+        qm64, rest = qm.double(), (q - qm).double()
+        rows = []
+        for c in range(index.num_clusters):
+            kc = index.store.cluster_rows(h, c)[0]  # relative to key_center(h, c)
+            base = float(qm64 @ index.store.key_center(h, c)) + float(rest @ index.summ[h, c, 0].double())
+            rows.extend((-(base + float(q_store @ kc[i])), c * cs + i) for i in range(int(index.counts[c])))
+        chosen |= {r // cs for _, r in sorted(rows)[:cfg.probe_keys]}
+    return chosen
+
+
 def serial_row(cfg, index, q_row: torch.Tensor, k_row: torch.Tensor, v_row: torch.Tensor, beta: float,
                taus: torch.Tensor):
     """Sparse output of one batch row: ``q_row [H, D]``, ``k_row/v_row [Hkv, N, D]``.
@@ -90,6 +111,8 @@ def serial_row(cfg, index, q_row: torch.Tensor, k_row: torch.Tensor, v_row: torc
             chosen = set()
             for j in range(g):
                 chosen |= set(_prefix(est[j], log_exact[j], tau))
+            if cfg.probe_dims:
+                chosen |= probe_clusters(cfg, index, h, qs)
             for _ in range(cfg.refine):  # re-decide with the opened clusters' exact masses
                 more = set()
                 for j in range(g):
