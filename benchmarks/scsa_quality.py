@@ -24,6 +24,13 @@ Per context L (nested: one dense prefill of the book grows the cache from length
       (SCSA's exact path: only the order of float operations differs from the dense arm) and
       q8_0 packing (the packing's rounding alone). If rounding alone changes answers, "identical
       to dense" sits at the noise floor of any different summation, not at SCSA's selection.
+      ``--oracle-net K ...`` adds, per K, an arm with the book taus whose every selection also
+      opens the clusters holding each query head's K highest exact-scoring member keys (an
+      oracle: it scores every key exactly, so it saves no time), plus ``sparse_py``, the plain
+      sparse arm on the same PyTorch path. Whether such a key-level net makes the answers
+      identical bounds what any cheap approximation of it (a probe) could do. ``--probe-net
+      PROBE:R:K`` ranks the keys by an approximation instead (``probe_scores``: R principal
+      directions of the keys, or each query's R largest dimensions).
 
     python benchmarks/scsa_quality.py --contexts 2048 --steps 16 --free 16 --samples 1   # quick check
     python benchmarks/scsa_quality.py --contexts 4096 8192 16384 32768 --threads 2      # full
@@ -34,9 +41,11 @@ Writes benchmarks/results/scsa_quality.json (updated after every context). Progr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -50,6 +59,8 @@ from longattn.lab import tasks as T  # noqa: E402
 from longattn.models import build_model  # noqa: E402
 from longattn.policy import AttentionPolicy  # noqa: E402
 from longattn.sparse import SCSAConfig  # noqa: E402
+from longattn.sparse.kernel import Selection  # noqa: E402
+from longattn.sparse.layer import SCSALayer  # noqa: E402
 from longattn.sparse_policy import build_sparse_policy, policy_taus, preset_taus, retune, sparse_ops  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -110,7 +121,8 @@ def sparse_cfg(args, packing: str, calib: int) -> SCSAConfig:
     return SCSAConfig(min_context=args.min_context, calib_steps=calib, tolerance=args.tolerance,
                       calib_quantile=args.calib_quantile, packing=packing, calib_metric=args.metric,
                       cluster_size=args.cluster_size,
-                      outliers=args.outliers, refine=args.refine)
+                      outliers=args.outliers, refine=args.refine, probe_dims=args.probe_dims,
+                      probe_keys=args.probe_keys)
 
 
 def nll(model, cache, policy, first: int, cont: list) -> float:
@@ -187,12 +199,70 @@ def run_context(model, ck, ids, cache, L, args, dense_pol, progress) -> dict:
 CONTROL_ARMS = {"tau0_f32": "f32", "tau0_q8_0": "q8_0"}
 
 
+def probe_scores(qg: torch.Tensor, keys: torch.Tensor, probe: str, r: int, centres: torch.Tensor) -> torch.Tensor:
+    """Scores ``[Hkv, g, N]`` of queries ``qg [Hkv, g, D]`` with keys ``[Hkv, N, D]``: exact
+    (``probe == "exact"``), in the top-``r`` principal directions of the keys' second moment
+    (``"pca"``: both sides projected, as a low-rank key probe would store them), the same for the
+    keys' offsets from their cluster's centroid ``centres [Hkv, N, D]`` plus the exact ``q.c``
+    (``"rpca"``), or over each query's ``r`` largest-magnitude dimensions (``"sparq"``; ``"rsparq"``
+    the offsets plus ``q.c``; ``"gsparq"``, ``"grsparq"`` with one set of dims per KV head)."""
+    if probe == "rpca":
+        off = keys - centres
+        basis = torch.linalg.eigh(off.transpose(1, 2) @ off).eigenvectors[..., -r:]  # [Hkv, D, r]
+        return qg @ centres.transpose(1, 2) + (qg @ basis) @ (off @ basis).transpose(1, 2)
+    if probe == "pca":
+        basis = torch.linalg.eigh(keys.transpose(1, 2) @ keys).eigenvectors[..., -r:]  # [Hkv, D, r]
+        return (qg @ basis) @ (keys @ basis).transpose(1, 2)
+    if probe in ("sparq", "rsparq", "gsparq", "grsparq"):
+        # r dims per query head (sparq), or one set per KV head shared by its query heads (g...:
+        # the largest sum of |q_i| / |q|); r... scores the offsets from the centroid, plus q.c
+        mag = qg.abs()
+        if probe.startswith("g"):
+            mag = (mag / qg.norm(dim=-1, keepdim=True)).sum(1, keepdim=True).expand_as(qg)
+        keep = torch.zeros_like(qg).scatter_(-1, mag.topk(r, -1).indices, 1.0)
+        if "r" in probe[:2]:
+            return qg @ centres.transpose(1, 2) + (qg * keep) @ (keys - centres).transpose(1, 2)
+        return (qg * keep) @ keys.transpose(1, 2)
+    return qg @ keys.transpose(1, 2)
+
+
+@contextlib.contextmanager
+def oracle_net(k: int, probe: str = "exact", r: int = 0):
+    """While active, every flat SCSA selection also opens, per query head, the clusters that hold
+    its ``k`` highest-scoring member keys by ``probe_scores`` (PyTorch path only: set
+    ``native=False``)."""
+    prepare, select = SCSALayer._prepare, SCSALayer._select
+
+    def prepare_keep(self, index, q_row, k_row, v_row, scale, flat_scores=None):
+        prep = prepare(self, index, q_row, k_row, v_row, scale, flat_scores)
+        prep["k_row"] = k_row
+        return prep
+
+    def select_net(self, index, prep, scale, taus, hierarchical=None):
+        sel, tail, v_tail = select(self, index, prep, scale, taus, hierarchical)
+        M, cs = index.num_clusters, self.cfg.cluster_size
+        slots = index.slots[:, :M].reshape(self.num_kv_heads, -1)  # [Hkv, M * cs], -1 = padding
+        keys = prep["k_row"].float().gather(1, slots.clamp(min=0).unsqueeze(-1).expand(-1, -1, self.head_dim))
+        centres = index.live_summ[:, :, 0].repeat_interleave(cs, 1)  # [Hkv, M * cs, D]
+        s = probe_scores(prep["qg"], keys, probe, r, centres).masked_fill((slots < 0).unsqueeze(1), float("-inf"))
+        top = s.topk(min(k, s.shape[-1]), -1).indices // cs  # [Hkv, g, k] cluster ids
+        opened = sel.opened.clone().scatter_(1, top.flatten(1), True)
+        return Selection(opened, sel.tail_ids, ~opened, sel.scored), tail, v_tail
+
+    SCSALayer._prepare, SCSALayer._select = prepare_keep, select_net
+    try:
+        yield
+    finally:
+        SCSALayer._prepare, SCSALayer._select = prepare, select
+
+
 def retrieval(model, ck, L, args, taus, progress) -> dict:
     tok = ck.tokenizer
     encode = lambda s: tok(s)["input_ids"]  # noqa: E731
     decode = lambda t: tok.decode(t, skip_special_tokens=True)  # noqa: E731
     stop = set(ck.config.eos_token_ids)
     dense_pol = AttentionPolicy.from_config(ck.config)
+    kv = ck.config.num_kv_heads
     records = []
     for task in args.tasks:
         for s in range(args.samples):
@@ -207,8 +277,14 @@ def retrieval(model, ck, L, args, taus, progress) -> dict:
                 model(torch.tensor([pid[c:min(n0, c + args.chunk)]]), cache=cache, policy=dense_pol, logits="none")
                 progress(f"L={L} {task} #{s} prefill {min(n0, c + args.chunk)}/{len(pid)}")
             answers = {}
-            for arm in ("dense", "sparse") + (tuple(CONTROL_ARMS) if args.controls else ()):
+            nets = {f"net{k}": (k, "exact", 0) for k in args.oracle_net}
+            for spec in args.probe_net:  # PROBE:R:K
+                probe, r, k = spec.split(":")
+                nets[f"{probe}{r}net{k}"] = (int(k), probe, int(r))
+            extra = (tuple(CONTROL_ARMS) if args.controls else ()) + (("sparse_py",) + tuple(nets) if nets else ())
+            for arm in ("dense", "sparse") + extra:
                 pol = dense_pol
+                net = contextlib.nullcontext()
                 if arm == "sparse" and args.retrieval_calib == "prompt":  # calibrates on this prompt
                     pol = build_sparse_policy(ck.config, sparse_cfg(args, args.packings[0], args.calib))
                 elif arm == "sparse":
@@ -217,29 +293,40 @@ def retrieval(model, ck, L, args, taus, progress) -> dict:
                 elif arm in CONTROL_ARMS:  # everything opened: only rounding differs from dense
                     pol = build_sparse_policy(ck.config, sparse_cfg(args, CONTROL_ARMS[arm], 0))
                     preset_taus(pol, ck.config, {li: [0.0] * len(t) for li, t in taus.items()})
+                elif arm == "sparse_py" or arm in nets:  # the book taus on the PyTorch path
+                    pol = build_sparse_policy(ck.config, replace(sparse_cfg(args, args.packings[0], 0), native=False))
+                    preset_taus(pol, ck.config, taus)
+                    if arm in nets:
+                        net = oracle_net(*nets[arm])
+                before = counters(pol)
                 for i, t in enumerate(pid[n0:-1]):  # calibration steps (exact attention in every arm)
                     step(model, cache, pol, t)
                     progress(f"L={L} {task} #{s} {arm} prompt step {i + 1}/{fed - 1}")
                 # the last prompt token is a decode step of each arm (sparse from here on)
-                gen = greedy(model, cache, pol, pid[-1], smp.max_new_tokens, f"L={L} {task} #{s} {arm}",
-                             progress, stop, lambda out: T.settled(smp, decode(out)))
+                with net:
+                    gen = greedy(model, cache, pol, pid[-1], smp.max_new_tokens, f"L={L} {task} #{s} {arm}",
+                                 progress, stop, lambda out: T.settled(smp, decode(out)))
                 truncate(cache, n0)
                 answers[arm] = {"tokens": gen, "prediction": decode(gen), "score": T.score(smp, decode(gen))}
+                after = counters(pol)
+                if after and arm not in CONTROL_ARMS:  # opened rows / (calls * kv heads * prompt length)
+                    d = {n: sum(after[li][n] - before[li][n] for li in after) for n in ("opened_rows", "calls")}
+                    answers[arm]["opened_fraction"] = d["opened_rows"] / max(1, d["calls"] * kv * len(pid))
             del cache
             rec = {"task": task, "seed": args.seed + s, "prompt_tokens": len(pid),
                    "needle_distance": smp.needle_distance, "outputs": smp.outputs,
                    "identical": answers["dense"]["tokens"] == answers["sparse"]["tokens"],
                    **{f"{arm}_identical": answers["dense"]["tokens"] == answers[arm]["tokens"]
-                      for arm in answers if arm in CONTROL_ARMS},
+                      for arm in answers if arm not in ("dense", "sparse")},
                    **{f"{arm}_{k}": v for arm in answers for k, v in answers[arm].items() if k != "tokens"}}
             records.append(rec)
             progress.done(f"L={L} {task} #{s}: identical {rec['identical']}, score dense {rec['dense_score']} "
                           f"sparse {rec['sparse_score']}" + "".join(
                               f", {arm} identical {rec[arm + '_identical']} score {rec[arm + '_score']}"
-                              for arm in answers if arm in CONTROL_ARMS))
+                              for arm in answers if arm not in ("dense", "sparse")))
     summary = {"identical": sum(r["identical"] for r in records), "prompts": len(records)}
-    for arm in CONTROL_ARMS if args.controls else ():
-        summary[f"{arm}_identical"] = sum(r[f"{arm}_identical"] for r in records)
+    for arm in (a for a in records[0] if a.endswith("_identical")) if records else ():
+        summary[arm] = sum(r[arm] for r in records)
     return {**summary, "records": records}
 
 
@@ -262,11 +349,18 @@ def main() -> int:
     ap.add_argument("--min-context", type=int, default=0)
     ap.add_argument("--refine", type=int, default=SCSAConfig().refine,
                     help="SCSAConfig.refine: re-decisions of the stop rule after the read")
+    ap.add_argument("--probe-dims", type=int, default=SCSAConfig().probe_dims,
+                    help="SCSAConfig.probe_dims (every arm, calibration included; PyTorch path)")
+    ap.add_argument("--probe-keys", type=int, default=SCSAConfig().probe_keys, help="SCSAConfig.probe_keys")
     ap.add_argument("--tasks", nargs="*", default=list(RETRIEVAL_TASKS))
     ap.add_argument("--samples", type=int, default=2, help="retrieval prompts per task")
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--controls", action="store_true",
                     help="retrieval: two more arms at tau 0 (f32 and q8_0 packing), rounding only")
+    ap.add_argument("--oracle-net", nargs="*", type=int, default=[],
+                    help="retrieval arms whose selections also open each query head's K best keys' clusters")
+    ap.add_argument("--probe-net", nargs="*", default=[],
+                    help="as --oracle-net with approximate scores, PROBE:R:K (PROBE pca, rpca, sparq, rsparq, gsparq, grsparq; R dims)")
     ap.add_argument("--retrieval-calib", choices=["book", "prompt"], default="book",
                     help="retrieval: SCSA's taus from the book's calibration (preset), or calibrated on the "
                          "prompt itself (its last --calib tokens fed as decode steps in every arm)")
@@ -288,9 +382,11 @@ def main() -> int:
     cache = KVCache(ck.config, 1)
     out = {"model": args.model, "dtype": "bfloat16", "metric": args.metric, "calib_quantile": args.calib_quantile,
            "cluster_size": args.cluster_size,
-           "outliers": args.outliers, "refine": args.refine,
+           "outliers": args.outliers, "refine": args.refine, "probe_dims": args.probe_dims,
+           "probe_keys": args.probe_keys,
            "tolerances": args.tolerances, "packings": args.packings, "min_context": args.min_context,
-           "retrieval_calib": args.retrieval_calib, "controls": args.controls,
+           "retrieval_calib": args.retrieval_calib, "controls": args.controls, "oracle_net": args.oracle_net,
+           "probe_net": args.probe_net,
            "opened_fraction_definition": "opened_rows / (calls * kv_heads * cache length), after calibration",
            "rows": []}
     filled = 0
@@ -314,7 +410,7 @@ def main() -> int:
               f"NLL delta {f['nll_delta']:+.4f}; retrieval identical {r['retrieval']['identical']}/"
               f"{r['retrieval']['prompts']}" + "".join(
                   f", {arm} {r['retrieval'][arm + '_identical']}/{r['retrieval']['prompts']}"
-                  for arm in CONTROL_ARMS if arm + "_identical" in r["retrieval"]))
+                  for arm in (a[:-len("_identical")] for a in r["retrieval"] if a.endswith("_identical"))))
     print(f"wrote {args.out}")
     return 0
 
