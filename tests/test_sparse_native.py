@@ -65,6 +65,16 @@ def test_outliers_match_torch_path_and_serial(H, HKV, D, tau):
     assert taken == 5 * M - 1 and index.extra_slots.shape == (HKV, taken)  # 27 clusters of 24-5, one of 9-4
 
 
+@pytest.mark.parametrize("H,HKV,D", [(14, 2, 64), (6, 3, 48), (4, 2, 40)])
+@pytest.mark.parametrize("tau, dims, keys", [(0.5, 8, 1), (0.05, 8, 3), (1.0, 64, 2)])
+def test_probe_matches_torch_path_and_serial(H, HKV, D, tau, dims, keys):
+    """The probe inside the native call opens what the PyTorch and float64 paths open (its
+    scores as theirs: the same quantized masked query and integer block dots); with tau 1 only
+    the probe opens anything, and all of D scored (dims 64 >= D) is the exact ranking."""
+    layer = check_case(H, HKV, D, 700, tau, cluster_size=24, outliers=3, probe_dims=dims, probe_keys=keys)
+    assert 0 < layer.counters["opened_rows"]
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_threads_split_the_opened_clusters(threads):
     torch.set_num_threads(threads)  # the autouse one_thread fixture restores it
@@ -122,12 +132,13 @@ def test_kernel_rejects_bad_inputs():
     st = index.store
     args = [qs[0][0, :, 0], k[0], v[0], 4, 500, index.extra_slots, index.summ, index.resid, index.log_counts,
             index.radius, index.vmean, index.counts, index.num_clusters, st.kt, st.ks, st.vi, st.vs, layer.taus,
-            scale]
+            scale, 0, 1]
     torch.ops.longattn_cpu.scsa_decode(*args)  # the valid call
     for i, bad, needle in ((1, k[0].double(), "float32"), (4, 10_000, "s0 <= s1 <= N"),
                            (5, torch.full((2, 1), 550), r"extra slots must lie in \[s0, s1\)"),
                            (5, torch.zeros(2, 1, dtype=torch.int32), "extra int64"),
-                           (12, index.summ.shape[1] + 1, "C >= M"), (17, torch.zeros(3), "taus")):
+                           (12, index.summ.shape[1] + 1, "C >= M"), (17, torch.zeros(3), "taus"),
+                           (19, -1, "probe_dims >= 0"), (20, 0, "probe_keys >= 1")):
         wrong = list(args)
         wrong[i] = bad
         with pytest.raises(RuntimeError, match=needle):
@@ -144,11 +155,13 @@ def test_cluster_sizes_off_the_8_row_tiles(cluster_size):
 
 @pytest.mark.parametrize("H,HKV,D,cluster_size", [(14, 2, 64, 16), (4, 1, 256, 24), (6, 3, 48, 13),
                                                   (4, 2, 40, 20), (18, 2, 32, 24)])
-def test_avx512_form_equals_the_avx2_form(H, HKV, D, cluster_size):
+@pytest.mark.parametrize("probe", [0, 8])
+def test_avx512_form_equals_the_avx2_form(H, HKV, D, cluster_size, probe):
     """The AVX-512 opened-cluster phase does the AVX2 one's integer dots and float operations in
     the same order per element, so outputs, selections and counters are bit-identical (head
     dims with q8 blocks of 32, 16 and 8 values: with 8 the values stay AVX2; 9 query heads per
-    KV head: head chunks of 8 + 1). A CPU without AVX-512 refuses the forced form instead."""
+    KV head: head chunks of 8 + 1; with and without the probe, which scores every row with the
+    same tile forms). A CPU without AVX-512 refuses the forced form instead."""
     if not native.avx512(None):
         with pytest.raises(RuntimeError, match="lacks AVX-512"):
             native.avx512(True)
@@ -159,7 +172,7 @@ def test_avx512_form_equals_the_avx2_form(H, HKV, D, cluster_size):
     try:
         for wide in (False, True):
             assert native.avx512(wide) is wide
-            layer = SCSALayer(small_cfg(tau_default=0.03, cluster_size=cluster_size), H, HKV, D)
+            layer = SCSALayer(small_cfg(tau_default=0.03, cluster_size=cluster_size, probe_dims=probe), H, HKV, D)
             outs = [layer.attend(q, k, v, scale) for q in qs]
             results.append((outs, layer._last[-1][1].opened, dict(layer.counters)))
     finally:

@@ -86,7 +86,8 @@ class SCSAConfig:
             ranks clusters by a Gaussian summary, which cannot see one key far out along the
             query; on Qwen2.5-0.5B the answer steps of variable tracking hang on such keys
             (opening each query head's single exact top key's cluster made 8 of 8 prompts
-            identical to dense, against 4 of 8). Calibration replays it; PyTorch path only.
+            identical to dense, against 4 of 8). Calibration replays it; the native call runs it
+            (one more scoring pass over every packed key row per call).
         probe_keys: keys per query head whose clusters the probe opens (>= 1).
         dense_when_cheaper: at the end of calibration, a layer whose sparse calls (at the taus
             it chose, over the calibration calls' opened and exact rows, median) are predicted

@@ -390,8 +390,7 @@ class SCSALayer:
         """The C++ kernel covers flat selection over q8_0 rows with float32 caches whose rows are
         contiguous (the model's caches are; other layouts take the PyTorch path)."""
         cfg = self.cfg
-        if (not cfg.native or cfg.hierarchical or cfg.refine or cfg.probe_dims or cfg.packing != "q8_0"
-                or index.num_clusters == 0):
+        if not cfg.native or cfg.hierarchical or cfg.refine or cfg.packing != "q8_0" or index.num_clusters == 0:
             return False
         D = self.head_dim
         return all(t.dtype == torch.float32 and t.stride(-1) == 1 and t.stride(-2) == D
@@ -405,7 +404,8 @@ class SCSALayer:
         out, opened, rows = torch.ops.longattn_cpu.scsa_decode(
             q_row.float(), k_row, v_row, s0, s1, index.extra_slots, index.summ, index.resid, index.log_counts,
             index.radius, index.vmean, index.counts, M, st.kt, st.ks, st.vi, st.vs,
-            taus if taus is self.taus else taus.float().contiguous(), float(scale))
+            taus if taus is self.taus else taus.float().contiguous(), float(scale),
+            min(self.cfg.probe_dims, self.head_dim), self.cfg.probe_keys)
         sel = Selection(opened, None, None, self.num_kv_heads * M)  # flat: tails = ~opened (see _accounting)
         return out.view(self.num_kv_heads, self.group, self.head_dim), sel, int(rows)
 

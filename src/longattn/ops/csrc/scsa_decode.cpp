@@ -19,12 +19,18 @@
 //   vi         [Hkv, Cs, cs, D]  int8     packed member values, row-major
 //   ks, vs     [Hkv, Cs, cs, nb] float32  one scale per block of D / nb values
 //   taus       [Hkv]             float32  stop-rule threshold per KV head
+//   probe_dims, probe_keys                the key-level net (SCSAConfig.probe_dims; 0 = off): per
+//                                         query head, every member row scored q.c + q8dot(q_S, k - c)
+//                                         over its probe_dims largest |q_i|; the clusters of its
+//                                         probe_keys best rows open as well
 //   -> (out [H, D] float32, opened [Hkv, M] bool, opened member rows over all heads: int64 scalar)
 //
 // Per KV head (phase A, heads in parallel): every cluster's tail logit a + log m and capped
 // second-cumulant log-mass estimate for each of the G query heads; exact scores of the sink,
 // outlier and unsealed rows; per query head the stop rule over the estimates sorted best first;
-// the union of the G prefixes is opened; unopened clusters contribute m exp(a) at their value mean.
+// the union of the G prefixes is opened, and with the probe the clusters of each query head's best
+// rows by a masked-query score over every packed row; unopened clusters contribute m exp(a) at
+// their value mean.
 // Phase B reads the opened clusters: one run of about equal rows per thread (cut into items at
 // KV head boundaries), each item scoring its packed keys with integer block dots against the
 // query quantized once (12-bit query x q8_0 key blocks, exact in int32; 8-row tiles, all query
@@ -355,11 +361,73 @@ void tiled_weighted_rows(const float* p, int64_t p_stride, int64_t G, const floa
     }
 }
 
+// The probe of one KV head (SCSAConfig.probe_dims): marks op[c] for the clusters holding each
+// query head's `keys` best member rows, every row of the M clusters scored q.c + q8dot(q_S, k - c)
+// with q_S the query kept on its `dims` largest |q_i| (ties: the lower dimension) and quantized
+// as the opened rows' query is; qc [G, M] holds q.c per cluster (phase A's centre dots). Rows
+// rank by score, ties to the lower row c * cs + i, as the PyTorch path's stable sort does.
+void probe_clusters(const float* qh, int64_t G, int64_t D, int64_t qb, int64_t dims, int64_t keys, int64_t M,
+                    const int64_t* cnt, int64_t cs, const int8_t* kt, const float* ks, int64_t tile_bytes,
+                    const float* qc, bool wide, bool* op) {
+  const int64_t nb = D / qb;
+  std::vector<int16_t> q16(G * D);
+  std::vector<float> qs(G * nb), qm(D);
+  std::vector<int64_t> order(D);
+  for (int64_t g = 0; g < G; ++g) {
+    const float* q = qh + g * D;
+    for (int64_t d = 0; d < D; ++d) order[d] = d;
+    std::stable_sort(order.begin(), order.end(),
+                     [q](int64_t a, int64_t b) { return std::fabs(q[a]) > std::fabs(q[b]); });
+    std::fill(qm.begin(), qm.end(), 0.0f);
+    for (int64_t i = 0; i < std::min(dims, D); ++i) qm[order[i]] = q[order[i]];
+    quantize_row(qm.data(), D, qb, q16.data() + g * D, qs.data() + g * nb);
+  }
+  std::vector<int64_t> ids(M);
+  int64_t R = 0;
+  for (int64_t c = 0; c < M; ++c) {
+    ids[c] = c;
+    R += cnt[c];
+  }
+  std::vector<float> s(G * R);
+  std::vector<int32_t> qx;
+  if (wide) qx.resize(G * (D / 4) * 16);
+  for (int64_t g0 = 0; g0 < G; g0 += 8)
+    with_heads(std::min<int64_t>(8, G - g0), [&](auto gn) {
+      constexpr int GN = decltype(gn)::value;
+      if (wide) {
+        vnni_queries<GN>(q16.data() + g0 * D, D, qx.data() + g0 * (D / 4) * 16);
+        item_scores<GN, int32_t, q8_tile_scores_512<GN>>(ids.data(), 0, M, cnt, kt, ks, tile_bytes, nb, cs,
+                                                         qx.data() + g0 * (D / 4) * 16, qs.data() + g0 * nb, D, qb,
+                                                         s.data() + g0 * R, R);
+      } else {
+        item_scores<GN, int16_t, q8_tile_scores<GN>>(ids.data(), 0, M, cnt, kt, ks, tile_bytes, nb, cs,
+                                                     q16.data() + g0 * D, qs.data() + g0 * nb, D, qb,
+                                                     s.data() + g0 * R, R);
+      }
+    });
+  struct Row { float s; int64_t at; };  // at = c * cs + i
+  auto before = [](const Row& a, const Row& b) { return a.s > b.s || (a.s == b.s && a.at < b.at); };
+  std::vector<Row> best;
+  for (int64_t g = 0; g < G; ++g) {
+    best.clear();
+    const float* sg = s.data() + g * R;
+    for (int64_t c = 0, off = 0; c < M; off += cnt[c], ++c)
+      for (int64_t i = 0; i < cnt[c]; ++i) {
+        const Row row{sg[off + i] + qc[g * M + c], c * cs + i};
+        if (static_cast<int64_t>(best.size()) == keys && !before(row, best.back())) continue;
+        best.insert(std::upper_bound(best.begin(), best.end(), row, before), row);
+        if (static_cast<int64_t>(best.size()) > keys) best.pop_back();
+      }
+    for (const Row& row : best) op[row.at / cs] = true;
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t s0, int64_t s1,
     const at::Tensor& extra, const at::Tensor& summ, const at::Tensor& resid, const at::Tensor& log_counts,
     const at::Tensor& radius, const at::Tensor& vmean, const at::Tensor& counts, int64_t M, const at::Tensor& kt,
-    const at::Tensor& ks, const at::Tensor& vi, const at::Tensor& vs, const at::Tensor& taus, double scale) {
+    const at::Tensor& ks, const at::Tensor& vi, const at::Tensor& vs, const at::Tensor& taus, double scale,
+    int64_t probe_dims, int64_t probe_keys) {
   TORCH_CHECK(q.dim() == 2 && k.dim() == 3 && v.dim() == 3, "scsa_decode: q [H, D], k/v [Hkv, N, D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "scsa_decode: q, k, v must be float32");
@@ -393,6 +461,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
   const int64_t nb = ks.size(3), qb = D / nb;
   TORCH_CHECK(qb % 8 == 0, "scsa_decode: q8 blocks must hold a multiple of 8 values");
   TORCH_CHECK(taus.numel() == Hkv, "scsa_decode: taus [Hkv]");
+  TORCH_CHECK(probe_dims >= 0 && probe_keys >= 1, "scsa_decode: probe_dims >= 0 and probe_keys >= 1");
   for (const auto* t : {&summ, &resid, &radius, &vmean, &ks, &vs, &log_counts, &taus})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "scsa_decode: float32 contiguous index tensors");
   TORCH_CHECK(counts.scalar_type() == at::kLong && counts.is_contiguous() && kt.is_contiguous() && vi.is_contiguous(),
@@ -423,6 +492,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
   // relative to it, so phase B adds it to each opened member's residual score
   std::vector<float> qcent(Hkv * G * M);
 
+  const bool wide = longattn::use_avx512();  // AVX-512 forms where the CPU has them
+  const int64_t tile_bytes = tiles * 8 * D;
   at::parallel_for(0, Hkv, 1, [&](int64_t h0, int64_t h1) {
     std::vector<float> q2(G * D), qn(G), est(G * M), tail(G * M), sx(G * E), lex(G);
     std::vector<Ranked> order(M);
@@ -516,6 +587,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
         const int64_t k = stop_prefix(order.data(), M, tau * total);
         for (int64_t i = 0; i < k; ++i) op[order[i].id] = true;
       }
+      if (probe_dims > 0 && M > 0)  // the key-level net: opens more, before the tails are taken
+        probe_clusters(qh, G, D, qb, probe_dims, probe_keys, M, cntp, cs, ktp + h * Cs * tile_bytes,
+                       ksp + h * Cs * cs * nb, tile_bytes, qcent.data() + h * G * M, wide, op);
       // tails of the unopened clusters, at their value means
       for (int64_t g = 0; g < G; ++g) {
         Part tp{head_parts.data() + ((h * G + g) * 2 + 1) * PW};
@@ -573,8 +647,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
   const int64_t I = static_cast<int64_t>(items.size());
   std::vector<float> item_parts(I * G * PW);
 
-  // AVX-512 where the CPU has it; its values form needs whole 16-value slices in one block
-  const bool wide = longattn::use_avx512(), wide_values = wide && qb % 16 == 0;
+  // its values form needs whole 16-value slices in one block
+  const bool wide_values = wide && qb % 16 == 0;
   std::vector<int32_t> qx;
   if (wide) {  // the queries laid out for vpdpwssd, per KV head, once per call
     qx.resize(Hkv * G * (D / 4) * 16);
@@ -584,7 +658,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
           vnni_queries<decltype(gn)::value>(q16.data() + (h * G + g0) * D, D, qx.data() + (h * G + g0) * (D / 4) * 16);
         });
   }
-  const int64_t tile_bytes = tiles * 8 * D;
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     // the scores of a run (G x rows, hundreds of KB at 32K) outlive the call, one buffer per
     // thread, grown as needed: the only large allocation of a call (a 32K step spent ~4% of its
@@ -666,7 +739,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
 TORCH_LIBRARY_FRAGMENT(longattn_cpu, m) {
   m.def("scsa_decode(Tensor q, Tensor k, Tensor v, int s0, int s1, Tensor extra, Tensor summ, "
         "Tensor resid, Tensor log_counts, Tensor radius, Tensor vmean, Tensor counts, int M, Tensor kt, Tensor ks, "
-        "Tensor vi, Tensor vs, Tensor taus, float scale) -> (Tensor, Tensor, Tensor)");
+        "Tensor vi, Tensor vs, Tensor taus, float scale, int probe_dims=0, int probe_keys=1) -> "
+        "(Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(longattn_cpu, CPU, m) {
