@@ -3,8 +3,8 @@
 scsa_decode.py times each arm in one long run after the other; on a shared host whose speed
 drifts by tens of percent over minutes that is not enough to trust a ratio. Here both compiled
 static decoders (dense, and SCSA on every layer) start from the same prefix cache and take
-turns: ``--rounds`` rounds of ``--block`` steps each. ``--cluster-sizes``, ``--tolerances`` and
-``--outliers`` add one SCSA arm per value (their product); where the CPU has AVX-512 VNNI each
+turns: ``--rounds`` rounds of ``--block`` steps each. ``--cluster-sizes``, ``--tolerances``,
+``--outliers`` and ``--probes`` (SCSAConfig.probe_dims) add one SCSA arm per value (their product); where the CPU has AVX-512 VNNI each
 round runs once with the kernels' AVX2 forms and once with their AVX-512 forms (native.avx512;
 ``--forms`` picks one), so the forms are compared in the same way. Every arm first takes ``--calib`` + 8
 untimed steps (SCSA calibrates there, fresh index per context), so all arms then decode the
@@ -97,6 +97,9 @@ def main():
     ap.add_argument("--outliers", nargs="+", type=int, default=[SCSAConfig().outliers],
                     help="one SCSA arm per SCSAConfig.outliers (keys per cluster read exactly; times the "
                          "cluster sizes and tolerances)")
+    ap.add_argument("--probes", nargs="+", type=int, default=[SCSAConfig().probe_dims],
+                    help="SCSAConfig.probe_dims per arm (0 = no probe)")
+    ap.add_argument("--probe-keys", type=int, default=SCSAConfig().probe_keys)
     ap.add_argument("--forms", choices=["both", "avx2", "avx512"], default="both",
                     help="native kernel forms to time (avx512 only where the CPU has it)")
     ap.add_argument("--threads", type=int, default=2)
@@ -116,15 +119,15 @@ def main():
     steps = warm + args.rounds * len(forms) * args.block
     max_len = contexts[0] + steps + 1
     decs = {"dense": StaticDecoder(model, AttentionPolicy.from_config(ck.config), max_len=max_len, dynamic=True)}
-    arms = [(cs, tol, o, q) for cs in args.cluster_sizes for tol in args.tolerances for o in args.outliers
-            for q in args.calib_quantiles]
+    arms = [(cs, tol, o, q, pr) for cs in args.cluster_sizes for tol in args.tolerances for o in args.outliers
+            for q in args.calib_quantiles for pr in args.probes]
     sparse_arms = {}
-    for cs, tol, o, q in arms:
+    for cs, tol, o, q, pr in arms:
         name = "sparse" + (f"-{cs}" if len(args.cluster_sizes) > 1 else "") + \
             (f"@{tol:g}" if len(args.tolerances) > 1 else "") + (f"+out{o}" if len(args.outliers) > 1 else "") + \
-            (f"~q{q:g}" if len(args.calib_quantiles) > 1 else "")
+            (f"~q{q:g}" if len(args.calib_quantiles) > 1 else "") + (f"+probe{pr}" if len(args.probes) > 1 else "")
         scsa = SCSAConfig(min_context=0, calib_steps=args.calib, tolerance=tol, calib_metric=args.metric,
-                          calib_quantile=q, cluster_size=cs, outliers=o)
+                          calib_quantile=q, cluster_size=cs, outliers=o, probe_dims=pr, probe_keys=args.probe_keys)
         sparse_arms[name] = tol
         decs[name] = StaticDecoder(model, build_sparse_policy(ck.config, scsa), max_len=max_len, dynamic=True)
     if args.controls:  # tau 0, no calibration: every cluster opened, so no tail at all
@@ -179,7 +182,8 @@ def main():
             # the cache grows by one row a step: its mean length over the judged calls
             rows_per_call = max(1, sparse_calls * ck.config.num_kv_heads * (L + args.calib + len(judged) / 2))
             row = {"context": L, "arm": arm, "cluster_size": decs[arm].sparse.cfg.cluster_size,
-                   "outliers": decs[arm].sparse.cfg.outliers,
+                   "outliers": decs[arm].sparse.cfg.outliers, "probe_dims": decs[arm].sparse.cfg.probe_dims,
+                   "probe_keys": decs[arm].sparse.cfg.probe_keys,
                    "tolerance": sparse_arms[arm], "timed_steps_per_arm": args.rounds * len(forms) * args.block,
                    "agreement": agree / len(judged), "agreed_steps": agree, "judged_steps": len(judged),
                    "calibration_steps_agreeing": calib_agree, "calibration_steps": calib,
@@ -209,6 +213,7 @@ def main():
     Path(args.out).write_text(json.dumps({
         "model": args.model, "weights": args.weights, "threads": args.threads, "rounds": args.rounds,
         "block": args.block, "tolerances": args.tolerances, "outliers": args.outliers, "metric": args.metric,
+        "probes": args.probes, "probe_keys": args.probe_keys,
         "calib_quantiles": args.calib_quantiles,
         "cpu": cpu_description(),
         "rows": rows}, indent=1))
