@@ -86,6 +86,7 @@ def test_heads_not_divisible(tmp_path):
     (["--weights", "fp8"], "unknown weight format"),
     (["--weights", "int8+int8:qkv"], "only int4"),
     (["--policy", "sparse", "--sparse-outliers", "-1"], "outliers must be >= 0"),
+    (["--policy", "sparse", "--sparse-probe", "-2"], "probe_dims must be >= 0"),
     (["--policy", "sparse", "--sparse-tolerance", "0"], "tolerance must be > 0"),
 ])
 def test_impossible_settings(tmp_path, args, needle):

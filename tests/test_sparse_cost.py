@@ -76,7 +76,7 @@ def test_long_cache_with_few_opened_rows_stays_sparse():
     assert 0 < layer.counters["opened_rows"] - before < HKV * n  # a sparse call, not a dense one
 
 
-def test_cli_flag_keeps_layers_sparse():
+def test_cli_sparse_flags_reach_the_config():
     import argparse
 
     from conftest import tiny_dir
@@ -93,3 +93,6 @@ def test_cli_flag_keeps_layers_sparse():
     pol = sparse_policy(config, p.parse_args(["--policy", "sparse", "--sparse-calib-quantile", "0.9"]))
     assert pol.sparse_config.calib_quantile == 0.9
     assert sparse_policy(config, p.parse_args(["--policy", "sparse"])).sparse_config.calib_quantile == 0.5
+    pol = sparse_policy(config, p.parse_args(["--policy", "sparse", "--sparse-probe", "16"]))
+    assert pol.sparse_config.probe_dims == 16
+    assert sparse_policy(config, p.parse_args(["--policy", "sparse"])).sparse_config.probe_dims == 0
