@@ -263,6 +263,11 @@ def retrieval(model, ck, L, args, taus, progress) -> dict:
     stop = set(ck.config.eos_token_ids)
     dense_pol = AttentionPolicy.from_config(ck.config)
     kv = ck.config.num_kv_heads
+    nets = {f"net{k}": (k, "exact", 0) for k in args.oracle_net}  # arm -> oracle_net's arguments
+    for spec in args.probe_net:  # PROBE:R:K
+        probe, r, k = spec.split(":")
+        nets[f"{probe}{r}net{k}"] = (int(k), probe, int(r))
+    extra = (tuple(CONTROL_ARMS) if args.controls else ()) + (("sparse_py",) + tuple(nets) if nets else ())
     records = []
     for task in args.tasks:
         for s in range(args.samples):
@@ -277,11 +282,6 @@ def retrieval(model, ck, L, args, taus, progress) -> dict:
                 model(torch.tensor([pid[c:min(n0, c + args.chunk)]]), cache=cache, policy=dense_pol, logits="none")
                 progress(f"L={L} {task} #{s} prefill {min(n0, c + args.chunk)}/{len(pid)}")
             answers = {}
-            nets = {f"net{k}": (k, "exact", 0) for k in args.oracle_net}
-            for spec in args.probe_net:  # PROBE:R:K
-                probe, r, k = spec.split(":")
-                nets[f"{probe}{r}net{k}"] = (int(k), probe, int(r))
-            extra = (tuple(CONTROL_ARMS) if args.controls else ()) + (("sparse_py",) + tuple(nets) if nets else ())
             for arm in ("dense", "sparse") + extra:
                 pol = dense_pol
                 net = contextlib.nullcontext()
@@ -350,7 +350,7 @@ def main() -> int:
     ap.add_argument("--refine", type=int, default=SCSAConfig().refine,
                     help="SCSAConfig.refine: re-decisions of the stop rule after the read")
     ap.add_argument("--probe-dims", type=int, default=SCSAConfig().probe_dims,
-                    help="SCSAConfig.probe_dims (every arm, calibration included; PyTorch path)")
+                    help="SCSAConfig.probe_dims (every sparse arm, calibration included)")
     ap.add_argument("--probe-keys", type=int, default=SCSAConfig().probe_keys, help="SCSAConfig.probe_keys")
     ap.add_argument("--tasks", nargs="*", default=list(RETRIEVAL_TASKS))
     ap.add_argument("--samples", type=int, default=2, help="retrieval prompts per task")

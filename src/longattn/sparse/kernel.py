@@ -129,8 +129,8 @@ def refine_opened(opened: torch.Tensor, est: torch.Tensor, log_exact: torch.Tens
 
 
 def probe_mask(qg: torch.Tensor, dims: int) -> torch.Tensor:
-    """Each query head's ``dims`` largest-magnitude dimensions (ties: the lower dimension), as a
-    float 0/1 mask ``[Hkv, g, D]`` of ``qg`` ``[Hkv, g, D]``."""
+    """Each query head's ``dims`` largest-magnitude dimensions (ties: the lower dimension; all of
+    them when ``dims >= D``), as a float 0/1 mask ``[Hkv, g, D]`` of ``qg`` ``[Hkv, g, D]``."""
     order = qg.abs().sort(dim=-1, descending=True, stable=True).indices[..., :dims]
     return torch.zeros_like(qg).scatter_(-1, order, 1.0)
 

@@ -294,7 +294,7 @@ class SCSALayer:
         if "probe" in prep:
             return prep["probe"]
         qg, M, cs = prep["qg"], index.num_clusters, self.cfg.cluster_size
-        qm = qg * probe_mask(qg, min(self.cfg.probe_dims, self.head_dim))
+        qm = qg * probe_mask(qg, self.cfg.probe_dims)
         ids = torch.arange(M).expand(self.num_kv_heads, M)
         s = index.store.scores(index.store.prepare_query(qm), ids)  # [Hkv, g, M * cs]
         centre = torch.bmm(qg - qm, index.live_summ[:, :, 0].transpose(1, 2))  # [Hkv, g, M]
@@ -405,7 +405,7 @@ class SCSALayer:
             q_row.float(), k_row, v_row, s0, s1, index.extra_slots, index.summ, index.resid, index.log_counts,
             index.radius, index.vmean, index.counts, M, st.kt, st.ks, st.vi, st.vs,
             taus if taus is self.taus else taus.float().contiguous(), float(scale),
-            min(self.cfg.probe_dims, self.head_dim), self.cfg.probe_keys)
+            self.cfg.probe_dims, self.cfg.probe_keys)
         sel = Selection(opened, None, None, self.num_kv_heads * M)  # flat: tails = ~opened (see _accounting)
         return out.view(self.num_kv_heads, self.group, self.head_dim), sel, int(rows)
 
