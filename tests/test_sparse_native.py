@@ -65,12 +65,15 @@ def test_outliers_match_torch_path_and_serial(H, HKV, D, tau):
     assert taken == 5 * M - 1 and index.extra_slots.shape == (HKV, taken)  # 27 clusters of 24-5, one of 9-4
 
 
-@pytest.mark.parametrize("H,HKV,D", [(14, 2, 64), (6, 3, 48), (4, 2, 40)])
-@pytest.mark.parametrize("tau, dims, keys", [(0.5, 8, 1), (0.05, 8, 3), (1.0, 64, 2)])
+@pytest.mark.parametrize("H,HKV,D", [(14, 2, 64), (6, 3, 48), (4, 2, 40), (4, 4, 64)])
+@pytest.mark.parametrize("tau, dims, keys", [(0.5, 8, 1), (0.05, 8, 3), (1.0, 64, 2), (0.5, 1, 2)])
 def test_probe_matches_torch_path_and_serial(H, HKV, D, tau, dims, keys):
     """The probe inside the native call opens what the PyTorch and float64 paths open (its
     scores as theirs: the same quantized masked query and integer block dots); with tau 1 only
-    the probe opens anything, and all of D scored (dims 64 >= D) is the exact ranking."""
+    the probe opens anything, and all of D scored (dims 64 >= D) is the exact ranking. The
+    native scorer reads only the dimension runs where some query head of the chunk is non-zero:
+    with one query head per KV head and one dimension (4, 4, 64 at dims 1) one of the two q8
+    blocks has none, so the skipped-block path is taken on every call."""
     layer = check_case(H, HKV, D, 700, tau, cluster_size=24, outliers=3, probe_dims=dims, probe_keys=keys)
     assert 0 < layer.counters["opened_rows"]
 
