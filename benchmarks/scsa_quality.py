@@ -122,7 +122,7 @@ def sparse_cfg(args, packing: str, calib: int) -> SCSAConfig:
                       calib_quantile=args.calib_quantile, packing=packing, calib_metric=args.metric,
                       cluster_size=args.cluster_size,
                       outliers=args.outliers, refine=args.refine, probe_dims=args.probe_dims,
-                      probe_keys=args.probe_keys)
+                      probe_keys=args.probe_keys, probe_run=args.probe_run)
 
 
 def nll(model, cache, policy, first: int, cont: list) -> float:
@@ -205,7 +205,9 @@ def probe_scores(qg: torch.Tensor, keys: torch.Tensor, probe: str, r: int, centr
     (``"pca"``: both sides projected, as a low-rank key probe would store them), the same for the
     keys' offsets from their cluster's centroid ``centres [Hkv, N, D]`` plus the exact ``q.c``
     (``"rpca"``), or over each query's ``r`` largest-magnitude dimensions (``"sparq"``; ``"rsparq"``
-    the offsets plus ``q.c``; ``"gsparq"``, ``"grsparq"`` with one set of dims per KV head)."""
+    the offsets plus ``q.c``; ``"gsparq"``, ``"grsparq"`` with one set of dims per KV head), or
+    over its ``r / 4`` runs of four consecutive dimensions with the largest ``sum q_i^2``, offsets
+    plus ``q.c`` (``"rruns"``: what a tile scorer reading whole 4-dimension runs could do)."""
     if probe == "rpca":
         off = keys - centres
         basis = torch.linalg.eigh(off.transpose(1, 2) @ off).eigenvectors[..., -r:]  # [Hkv, D, r]
@@ -213,6 +215,11 @@ def probe_scores(qg: torch.Tensor, keys: torch.Tensor, probe: str, r: int, centr
     if probe == "pca":
         basis = torch.linalg.eigh(keys.transpose(1, 2) @ keys).eigenvectors[..., -r:]  # [Hkv, D, r]
         return (qg @ basis) @ (keys @ basis).transpose(1, 2)
+    if probe == "rruns":
+        energy = qg.unflatten(-1, (-1, 4)).square().sum(-1)  # [Hkv, g, D / 4]
+        keep = torch.zeros_like(energy).scatter_(-1, energy.topk(r // 4, -1).indices, 1.0)
+        keep = keep.repeat_interleave(4, -1)
+        return qg @ centres.transpose(1, 2) + (qg * keep) @ (keys - centres).transpose(1, 2)
     if probe in ("sparq", "rsparq", "gsparq", "grsparq"):
         # r dims per query head (sparq), or one set per KV head shared by its query heads (g...:
         # the largest sum of |q_i| / |q|); r... scores the offsets from the centroid, plus q.c
@@ -352,6 +359,7 @@ def main() -> int:
     ap.add_argument("--probe-dims", type=int, default=SCSAConfig().probe_dims,
                     help="SCSAConfig.probe_dims (every sparse arm, calibration included)")
     ap.add_argument("--probe-keys", type=int, default=SCSAConfig().probe_keys, help="SCSAConfig.probe_keys")
+    ap.add_argument("--probe-run", type=int, default=SCSAConfig().probe_run, help="SCSAConfig.probe_run")
     ap.add_argument("--tasks", nargs="*", default=list(RETRIEVAL_TASKS))
     ap.add_argument("--samples", type=int, default=2, help="retrieval prompts per task")
     ap.add_argument("--seed", type=int, default=42)
@@ -360,7 +368,7 @@ def main() -> int:
     ap.add_argument("--oracle-net", nargs="*", type=int, default=[],
                     help="retrieval arms whose selections also open each query head's K best keys' clusters")
     ap.add_argument("--probe-net", nargs="*", default=[],
-                    help="as --oracle-net with approximate scores, PROBE:R:K (PROBE pca, rpca, sparq, rsparq, gsparq, grsparq; R dims)")
+                    help="as --oracle-net with approximate scores, PROBE:R:K (PROBE pca, rpca, sparq, rsparq, gsparq, grsparq, rruns; R dims)")
     ap.add_argument("--retrieval-calib", choices=["book", "prompt"], default="book",
                     help="retrieval: SCSA's taus from the book's calibration (preset), or calibrated on the "
                          "prompt itself (its last --calib tokens fed as decode steps in every arm)")
@@ -383,7 +391,7 @@ def main() -> int:
     out = {"model": args.model, "dtype": "bfloat16", "metric": args.metric, "calib_quantile": args.calib_quantile,
            "cluster_size": args.cluster_size,
            "outliers": args.outliers, "refine": args.refine, "probe_dims": args.probe_dims,
-           "probe_keys": args.probe_keys,
+           "probe_keys": args.probe_keys, "probe_run": args.probe_run,
            "tolerances": args.tolerances, "packings": args.packings, "min_context": args.min_context,
            "retrieval_calib": args.retrieval_calib, "controls": args.controls, "oracle_net": args.oracle_net,
            "probe_net": args.probe_net,

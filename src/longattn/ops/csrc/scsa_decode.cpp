@@ -19,10 +19,11 @@
 //   vi         [Hkv, Cs, cs, D]  int8     packed member values, row-major
 //   ks, vs     [Hkv, Cs, cs, nb] float32  one scale per block of D / nb values
 //   taus       [Hkv]             float32  stop-rule threshold per KV head
-//   probe_dims, probe_keys                the key-level net (SCSAConfig.probe_dims; 0 = off): per
+//   probe_dims, probe_keys, probe_run     the key-level net (SCSAConfig.probe_dims; 0 = off): per
 //                                         query head, every member row scored q.c + q8dot(q_S, k - c)
-//                                         over its probe_dims largest |q_i|; the clusters of its
-//                                         probe_keys best rows open as well
+//                                         over its probe_dims largest |q_i| (or its aligned runs of
+//                                         probe_run dims with the largest sum of squares); the
+//                                         clusters of its probe_keys best rows open as well
 //   -> (out [H, D] float32, opened [Hkv, M] bool, opened member rows over all heads: int64 scalar)
 //
 // Per KV head (phase A, heads in parallel): every cluster's tail logit a + log m and capped
@@ -145,16 +146,26 @@ void quantize_row(const float* x, int64_t D, int64_t qb, int16_t* ints, float* s
 }
 
 // Shared by both forms of the tile functions below.
-// The key scales of block b for a tile's n <= 8 rows, padding rows 0.
+// The key scales of block b for a tile's n <= 8 rows, padding rows 0. A full tile gathers them
+// (eight scalar stores and a vector load of them stall on store forwarding, ~a tenth of a
+// probe tile's time); the values are the same either way.
 inline __m256 tile_key_scales(const float* kscale, int64_t n, int64_t nb, int64_t b) {
+  if (n == 8)
+    return _mm256_i32gather_ps(kscale + b, _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                                              _mm256_set1_epi32(static_cast<int32_t>(nb))), 4);
   alignas(32) float col[8];
   for (int64_t r = 0; r < 8; ++r) col[r] = r < n ? kscale[r * nb + b] : 0.0f;
   return _mm256_load_ps(col);
 }
 
-// s[g * stride + r] = lane r of acc[g] for the tile's n real rows.
+// s[g * stride + r] = lane r of acc[g] for the tile's n real rows (a full tile: one vector
+// store per head; a short one must not write past its rows, the next head's start).
 template <int GN>
 inline void store_tile_scores(const __m256* acc, int64_t n, float* s, int64_t stride) {
+  if (n == 8) {
+    for (int g = 0; g < GN; ++g) _mm256_storeu_ps(s + g * stride, acc[g]);
+    return;
+  }
   alignas(32) float out8[8];
   for (int g = 0; g < GN; ++g) {
     _mm256_store_ps(out8, acc[g]);
@@ -188,32 +199,23 @@ inline void tile_value_weights(const float* p, int64_t stride, const float* vsca
 // broadcast pair adds both products for eight rows at once: no horizontal sums, and each key
 // load serves every query head. Integer block dots are exact, so the floats equal a row-major
 // evaluation's.
-// units (the probe's masked queries; nullptr: every dimension): only the pairs listed in
-// units[ustart[b] : ustart[b + 1]] of block b are read, the caller vouching that the GN queries
-// are zero on every other pair. The skipped products are exact zeros, and a block with no pair
-// listed would add (0 * ks) * 0 = +0 to a sum that is never -0, so the scores are bit-identical.
 template <int GN>
 void q8_tile_scores(const int8_t* tile, const float* kscale, int64_t n, const int16_t* q16, const float* qs,
-                    int64_t D, int64_t qb, float* s, int64_t stride, const int64_t* units, const int64_t* ustart) {
+                    int64_t D, int64_t qb, float* s, int64_t stride) {
   const int64_t nb = D / qb;
   __m256 acc[GN];
   for (int g = 0; g < GN; ++g) acc[g] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    if (units && ustart[b] == ustart[b + 1]) continue;
     __m256i ai[GN];
     for (int g = 0; g < GN; ++g) ai[g] = _mm256_setzero_si256();
-    auto add_pair = [&](int64_t p) {
+    for (int64_t p = b * qb / 2; p < (b + 1) * qb / 2; ++p) {
       const __m256i kv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + p * 16)));
       for (int g = 0; g < GN; ++g) {
         int32_t pair;
         std::memcpy(&pair, q16 + g * D + 2 * p, sizeof(pair));
         ai[g] = _mm256_add_epi32(ai[g], _mm256_madd_epi16(kv, _mm256_set1_epi32(pair)));
       }
-    };
-    if (units)
-      for (int64_t u = ustart[b]; u < ustart[b + 1]; ++u) add_pair(units[u]);
-    else
-      for (int64_t p = b * qb / 2; p < (b + 1) * qb / 2; ++p) add_pair(p);
+    }
     const __m256 ksv = tile_key_scales(kscale, n, nb, b);
     for (int g = 0; g < GN; ++g)
       acc[g] = _mm256_add_ps(acc[g], _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(ai[g]), ksv),
@@ -242,6 +244,40 @@ void q8_tile_values(const int8_t* vrows, const float* vscale, int64_t n, const f
     for (int g = 0; g < GN; ++g)
       _mm256_storeu_ps(o[g] + d0, _mm256_add_ps(_mm256_loadu_ps(o[g] + d0), acc[g]));
   }
+}
+
+// The probe's tile scorer (probe_clusters): q8_tile_scores' integer dots and float steps, head
+// g reading only its own units (pairs of dimensions here, runs of four in the AVX-512 form),
+// units[us[b] : us[b + 1]] of block b with us = ustart + g * (nb + 1), where its masked query is
+// non-zero. The skipped products are exact zeros, and a block with none of its units would add
+// (0 * ks) * qs = +0 to a sum that is never -0, so the scores are bit-identical to the full
+// scorer's. The key loads repeat per head (from L1): with the query on 16 of 64 dimensions a
+// head of Qwen2.5 needs ~60% of the runs, the 7 heads of a KV head together ~93%, and the
+// per-head dots, not the loads, are what the probe's pass is made of. Writes s[g * 8 + r].
+template <int GN>
+void probe_tile_scores(const int8_t* tile, const float* kscale, int64_t n, const int16_t* q16, const float* qs,
+                       int64_t D, int64_t qb, const int64_t* units, const int64_t* ustart, float* s) {
+  const int64_t nb = D / qb;
+  __m256 acc[GN];
+  for (int g = 0; g < GN; ++g) acc[g] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256 ksv = tile_key_scales(kscale, n, nb, b);
+    for (int g = 0; g < GN; ++g) {
+      const int64_t* us = ustart + g * (nb + 1);
+      if (us[b] == us[b + 1]) continue;
+      __m256i ai = _mm256_setzero_si256();
+      for (int64_t u = us[b]; u < us[b + 1]; ++u) {
+        const int64_t p = units[u];
+        const __m256i kv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + p * 16)));
+        int32_t pair;
+        std::memcpy(&pair, q16 + g * D + 2 * p, sizeof(pair));
+        ai = _mm256_add_epi32(ai, _mm256_madd_epi16(kv, _mm256_set1_epi32(pair)));
+      }
+      acc[g] = _mm256_add_ps(acc[g], _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(ai), ksv),
+                                                   _mm256_set1_ps(qs[g * nb + b])));
+    }
+  }
+  store_tile_scores<GN>(acc, n, s, 8);
 }
 
 // ---- AVX-512 (BW + VNNI) forms of the opened-cluster phase, chosen at run time ----------------
@@ -275,26 +311,20 @@ void vnni_queries(const int16_t* q16, int64_t D, int32_t* qx) {
 // q8_tile_scores (same contract) with vpdpwssd: each 32-byte load of the tile, widened to
 // int16, carries pairs 2j and 2j+1 of the eight rows; the two halves of the int32 accumulator
 // are added at the end of each q8 block, giving the same exact block dots.
-// units: as q8_tile_scores, in runs of four dimensions (j) instead of pairs.
 template <int GN>
 void q8_tile_scores_512(const int8_t* tile, const float* kscale, int64_t n, const int32_t* qx, const float* qs,
-                        int64_t D, int64_t qb, float* s, int64_t stride, const int64_t* units, const int64_t* ustart) {
+                        int64_t D, int64_t qb, float* s, int64_t stride) {
   const int64_t nb = D / qb, D4 = D / 4;
   __m256 acc[GN];
   for (int g = 0; g < GN; ++g) acc[g] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    if (units && ustart[b] == ustart[b + 1]) continue;
     __m512i ai[GN];
     for (int g = 0; g < GN; ++g) ai[g] = _mm512_setzero_si512();
-    auto add_run = [&](int64_t j) {
+    for (int64_t j = b * qb / 4; j < (b + 1) * qb / 4; ++j) {
       const __m512i kv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + j * 32)));
       for (int g = 0; g < GN; ++g)
         ai[g] = _mm512_dpwssd_epi32(ai[g], kv, _mm512_loadu_si512(qx + (g * D4 + j) * 16));
-    };
-    if (units)
-      for (int64_t u = ustart[b]; u < ustart[b + 1]; ++u) add_run(units[u]);
-    else
-      for (int64_t j = b * qb / 4; j < (b + 1) * qb / 4; ++j) add_run(j);
+    }
     const __m256 ksv = tile_key_scales(kscale, n, nb, b);
     for (int g = 0; g < GN; ++g) {
       const __m256i dots = _mm256_add_epi32(_mm512_castsi512_si256(ai[g]), _mm512_extracti64x4_epi64(ai[g], 1));
@@ -324,6 +354,33 @@ void q8_tile_values_512(const int8_t* vrows, const float* vscale, int64_t n, con
   }
 }
 
+// probe_tile_scores (same contract) in runs of four dimensions with vpdpwssd (queries as
+// vnni_queries lays them out).
+template <int GN>
+void probe_tile_scores_512(const int8_t* tile, const float* kscale, int64_t n, const int32_t* qx, const float* qs,
+                           int64_t D, int64_t qb, const int64_t* units, const int64_t* ustart, float* s) {
+  const int64_t nb = D / qb, D4 = D / 4;
+  __m256 acc[GN];
+  for (int g = 0; g < GN; ++g) acc[g] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256 ksv = tile_key_scales(kscale, n, nb, b);
+    for (int g = 0; g < GN; ++g) {
+      const int64_t* us = ustart + g * (nb + 1);
+      if (us[b] == us[b + 1]) continue;
+      __m512i ai = _mm512_setzero_si512();
+      for (int64_t u = us[b]; u < us[b + 1]; ++u) {
+        const int64_t j = units[u];
+        const __m512i kv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + j * 32)));
+        ai = _mm512_dpwssd_epi32(ai, kv, _mm512_loadu_si512(qx + (g * D4 + j) * 16));
+      }
+      const __m256i dots = _mm256_add_epi32(_mm512_castsi512_si256(ai), _mm512_extracti64x4_epi64(ai, 1));
+      acc[g] = _mm256_add_ps(acc[g], _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dots), ksv),
+                                                   _mm256_set1_ps(qs[g * nb + b])));
+    }
+  }
+  store_tile_scores<GN>(acc, n, s, 8);
+}
+
 #pragma GCC pop_options
 
 // The opened clusters ids[j0:j1] of one KV head, scored for GN query heads with the tile
@@ -332,7 +389,7 @@ void q8_tile_values_512(const int8_t* vrows, const float* vscale, int64_t n, con
 // into this AVX2-target loop; the call per 8 rows measured no slower than a loop inlined in
 // the AVX-512 region (0.98 vs 1.04 ms for a 32K-row call, within noise).
 template <int GN, typename Q, void (*Tile)(const int8_t*, const float*, int64_t, const Q*, const float*, int64_t,
-                                           int64_t, float*, int64_t, const int64_t*, const int64_t*)>
+                                           int64_t, float*, int64_t)>
 void item_scores(const int64_t* ids, int64_t j0, int64_t j1, const int64_t* cnt, const int8_t* kt, const float* ks,
                  int64_t tile_bytes, int64_t nb, int64_t cs, const Q* q, const float* qs, int64_t D, int64_t qb,
                  float* scores, int64_t R) {
@@ -341,7 +398,7 @@ void item_scores(const int64_t* ids, int64_t j0, int64_t j1, const int64_t* cnt,
     const int64_t c = ids[j], n = cnt[c];
     for (int64_t r = 0; r < n; r += 8)
       Tile(kt + c * tile_bytes + r * D, ks + (c * cs + r) * nb, std::min<int64_t>(8, n - r), q, qs, D, qb,
-           scores + off + r, R, nullptr, nullptr);
+           scores + off + r, R);
     off += n;
   }
 }
@@ -378,53 +435,66 @@ void tiled_weighted_rows(const float* p, int64_t p_stride, int64_t G, const floa
 
 // The probe of one KV head (SCSAConfig.probe_dims): marks op[c] for the clusters holding each
 // query head's `keys` best member rows, every row of the M clusters scored q.c + q8dot(q_S, k - c)
-// with q_S the query kept on its `dims` largest |q_i| (ties: the lower dimension) and quantized
+// with q_S the query kept on its `dims` largest |q_i| (ties: the lower dimension), or on its
+// dims / run aligned runs of `run` dimensions with the largest sum of squares, and quantized
 // as the opened rows' query is; qc [G, M] holds q.c per cluster (phase A's centre dots). Rows
 // rank by score, ties to the lower row c * cs + i, as the PyTorch path's stable sort does.
-// One pass over the key tiles: the tile scorers read only the dimension units (pairs, or runs of
-// four in the AVX-512 form) where some query head of the chunk is non-zero, and each tile's
-// scores go straight to the heads' best lists. The rows are met in ascending order, so once a
-// head's list is full a row can only enter with a strictly higher score than the list's last;
-// one vector compare per head and tile finds the (rare) rows that do. An earlier form stored all
-// G x rows scores (~0.9 MB at 32K) and ranked them afterwards: a third more time for the same bits.
-void probe_clusters(const float* qh, int64_t G, int64_t D, int64_t qb, int64_t dims, int64_t keys, int64_t M,
+// One pass over the key tiles: each head's dots read only the dimension units where its query
+// is non-zero (probe_tile_scores), and each tile's scores go straight to the heads' best lists.
+// The rows are met in ascending order, so once a head's list is full a row can only enter with a
+// strictly higher score than the list's last; one vector compare per head and tile finds the
+// (rare) rows that do. An earlier form stored all G x rows scores (~0.9 MB at 32K) and ranked
+// them afterwards, and scored every dimension: about twice the time for the same bits.
+void probe_clusters(const float* qh, int64_t G, int64_t D, int64_t qb, int64_t dims, int64_t run, int64_t keys,
+                    int64_t M,
                     const int64_t* cnt, int64_t cs, const int8_t* kt, const float* ks, int64_t tile_bytes,
                     const float* qc, bool wide, bool* op) {
   const int64_t nb = D / qb;
   std::vector<int16_t> q16(G * D);
   std::vector<float> qs(G * nb), qm(D);
-  std::vector<int64_t> order(D);
+  // the kept dimensions: the `dims` largest |q_i|, or (run > 1) the dims / run aligned runs with
+  // the largest sum of squares, in double (exact squares, added in dimension order as the
+  // PyTorch path adds them); stable sorts, so ties go to the lower dimension or run
+  const int64_t U = D / run;
+  std::vector<int64_t> order(U);
+  std::vector<double> energy(U);
   for (int64_t g = 0; g < G; ++g) {
     const float* q = qh + g * D;
-    for (int64_t d = 0; d < D; ++d) order[d] = d;
-    std::stable_sort(order.begin(), order.end(),
-                     [q](int64_t a, int64_t b) { return std::fabs(q[a]) > std::fabs(q[b]); });
+    for (int64_t u = 0; u < U; ++u) {
+      order[u] = u;
+      double e = 0.0;
+      for (int64_t i = 0; i < run; ++i) e += static_cast<double>(q[u * run + i]) * static_cast<double>(q[u * run + i]);
+      energy[u] = run == 1 ? std::fabs(q[u]) : e;
+    }
+    std::stable_sort(order.begin(), order.end(), [&energy](int64_t a, int64_t b) { return energy[a] > energy[b]; });
     std::fill(qm.begin(), qm.end(), 0.0f);
-    for (int64_t i = 0; i < std::min(dims, D); ++i) qm[order[i]] = q[order[i]];
+    for (int64_t i = 0; i < std::min(dims / run, U); ++i)
+      for (int64_t d = order[i] * run; d < (order[i] + 1) * run; ++d) qm[d] = q[d];
     quantize_row(qm.data(), D, qb, q16.data() + g * D, qs.data() + g * nb);
   }
   struct Row { float s; int64_t at; };  // at = c * cs + i
   auto before = [](const Row& a, const Row& b) { return a.s > b.s || (a.s == b.s && a.at < b.at); };
   std::vector<std::vector<Row>> best(G);
-  const int64_t width = wide ? 4 : 2;  // dimensions per unit of the tile scorer
-  std::vector<int64_t> units, ustart(nb + 1);
+  // per head, the scorer's units (pairs, or runs of four in the AVX-512 form) where its masked,
+  // quantized query is non-zero, block by block: units[ustart[g * (nb + 1) + b] ...]
+  const int64_t width = wide ? 4 : 2;
+  std::vector<int64_t> units, ustart(G * (nb + 1));
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t b = 0; b < nb; ++b) {
+      ustart[g * (nb + 1) + b] = static_cast<int64_t>(units.size());
+      for (int64_t u = b * qb / width; u < (b + 1) * qb / width; ++u)
+        if (std::any_of(q16.begin() + g * D + u * width, q16.begin() + g * D + (u + 1) * width,
+                        [](int16_t x) { return x != 0; }))
+          units.push_back(u);
+    }
+    ustart[g * (nb + 1) + nb] = static_cast<int64_t>(units.size());
+  }
   std::vector<int32_t> qx;
   if (wide) qx.resize(G * (D / 4) * 16);
   alignas(32) float sl[8 * 8] = {};  // one tile's scores, [GN][8] (lanes past a short tile: masked off)
   for (int64_t g0 = 0; g0 < G; g0 += 8)
     with_heads(std::min<int64_t>(8, G - g0), [&](auto gn) {
       constexpr int GN = decltype(gn)::value;
-      units.clear();
-      for (int64_t b = 0; b < nb; ++b) {
-        ustart[b] = static_cast<int64_t>(units.size());
-        for (int64_t u = b * qb / width; u < (b + 1) * qb / width; ++u) {
-          bool any = false;
-          for (int64_t g = g0; g < g0 + GN; ++g)
-            for (int64_t d = u * width; d < (u + 1) * width; ++d) any = any || q16[g * D + d] != 0;
-          if (any) units.push_back(u);
-        }
-      }
-      ustart[nb] = static_cast<int64_t>(units.size());
       if (wide) vnni_queries<GN>(q16.data() + g0 * D, D, qx.data() + g0 * (D / 4) * 16);
       for (int64_t c = 0; c < M; ++c)
         for (int64_t r0 = 0; r0 < cnt[c]; r0 += 8) {
@@ -432,11 +502,11 @@ void probe_clusters(const float* qh, int64_t G, int64_t D, int64_t qb, int64_t d
           const int8_t* tile = kt + c * tile_bytes + r0 * D;
           const float* kscale = ks + (c * cs + r0) * nb;
           if (wide)
-            q8_tile_scores_512<GN>(tile, kscale, n, qx.data() + g0 * (D / 4) * 16, qs.data() + g0 * nb, D, qb, sl, 8,
-                                   units.data(), ustart.data());
+            probe_tile_scores_512<GN>(tile, kscale, n, qx.data() + g0 * (D / 4) * 16, qs.data() + g0 * nb, D, qb,
+                                      units.data(), ustart.data() + g0 * (nb + 1), sl);
           else
-            q8_tile_scores<GN>(tile, kscale, n, q16.data() + g0 * D, qs.data() + g0 * nb, D, qb, sl, 8,
-                               units.data(), ustart.data());
+            probe_tile_scores<GN>(tile, kscale, n, q16.data() + g0 * D, qs.data() + g0 * nb, D, qb, units.data(),
+                                  ustart.data() + g0 * (nb + 1), sl);
           for (int g = 0; g < GN; ++g) {
             std::vector<Row>& bg = best[g0 + g];
             const float z = qc[(g0 + g) * M + c];
@@ -463,7 +533,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
     const at::Tensor& extra, const at::Tensor& summ, const at::Tensor& resid, const at::Tensor& log_counts,
     const at::Tensor& radius, const at::Tensor& vmean, const at::Tensor& counts, int64_t M, const at::Tensor& kt,
     const at::Tensor& ks, const at::Tensor& vi, const at::Tensor& vs, const at::Tensor& taus, double scale,
-    int64_t probe_dims, int64_t probe_keys) {
+    int64_t probe_dims, int64_t probe_keys, int64_t probe_run) {
   TORCH_CHECK(q.dim() == 2 && k.dim() == 3 && v.dim() == 3, "scsa_decode: q [H, D], k/v [Hkv, N, D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "scsa_decode: q, k, v must be float32");
@@ -497,7 +567,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
   const int64_t nb = ks.size(3), qb = D / nb;
   TORCH_CHECK(qb % 8 == 0, "scsa_decode: q8 blocks must hold a multiple of 8 values");
   TORCH_CHECK(taus.numel() == Hkv, "scsa_decode: taus [Hkv]");
-  TORCH_CHECK(probe_dims >= 0 && probe_keys >= 1, "scsa_decode: probe_dims >= 0 and probe_keys >= 1");
+  TORCH_CHECK(probe_dims >= 0 && probe_keys >= 1 && probe_run >= 1 && D % probe_run == 0 && probe_dims % probe_run == 0,
+              "scsa_decode: probe_dims >= 0, probe_keys >= 1, probe_run >= 1 dividing head_dim and probe_dims");
   for (const auto* t : {&summ, &resid, &radius, &vmean, &ks, &vs, &log_counts, &taus})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "scsa_decode: float32 contiguous index tensors");
   TORCH_CHECK(counts.scalar_type() == at::kLong && counts.is_contiguous() && kt.is_contiguous() && vi.is_contiguous(),
@@ -624,7 +695,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
         for (int64_t i = 0; i < k; ++i) op[order[i].id] = true;
       }
       if (probe_dims > 0 && M > 0)  // the key-level net: opens more, before the tails are taken
-        probe_clusters(qh, G, D, qb, probe_dims, probe_keys, M, cntp, cs, ktp + h * Cs * tile_bytes,
+        probe_clusters(qh, G, D, qb, probe_dims, probe_run, probe_keys, M, cntp, cs, ktp + h * Cs * tile_bytes,
                        ksp + h * Cs * cs * nb, tile_bytes, qcent.data() + h * G * M, wide, op);
       // tails of the unopened clusters, at their value means
       for (int64_t g = 0; g < G; ++g) {
@@ -775,7 +846,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
 TORCH_LIBRARY_FRAGMENT(longattn_cpu, m) {
   m.def("scsa_decode(Tensor q, Tensor k, Tensor v, int s0, int s1, Tensor extra, Tensor summ, "
         "Tensor resid, Tensor log_counts, Tensor radius, Tensor vmean, Tensor counts, int M, Tensor kt, Tensor ks, "
-        "Tensor vi, Tensor vs, Tensor taus, float scale, int probe_dims=0, int probe_keys=1) -> "
+        "Tensor vi, Tensor vs, Tensor taus, float scale, int probe_dims=0, int probe_keys=1, int probe_run=1) -> "
         "(Tensor, Tensor, Tensor)");
 }
 
