@@ -97,8 +97,8 @@ def main():
     ap.add_argument("--outliers", nargs="+", type=int, default=[SCSAConfig().outliers],
                     help="one SCSA arm per SCSAConfig.outliers (keys per cluster read exactly; times the "
                          "cluster sizes and tolerances)")
-    ap.add_argument("--probes", nargs="+", default=[str(SCSAConfig().probe_dims)],
-                    help="SCSAConfig.probe_dims per arm, R or R:U with U its probe_run (0 = no probe)")
+    ap.add_argument("--probes", nargs="+", type=int, default=[SCSAConfig().probe_dims],
+                    help="SCSAConfig.probe_dims per arm (0 = no probe)")
     ap.add_argument("--probe-keys", type=int, default=SCSAConfig().probe_keys)
     ap.add_argument("--forms", choices=["both", "avx2", "avx512"], default="both",
                     help="native kernel forms to time (avx512 only where the CPU has it)")
@@ -127,8 +127,7 @@ def main():
             (f"@{tol:g}" if len(args.tolerances) > 1 else "") + (f"+out{o}" if len(args.outliers) > 1 else "") + \
             (f"~q{q:g}" if len(args.calib_quantiles) > 1 else "") + (f"+probe{pr}" if len(args.probes) > 1 else "")
         scsa = SCSAConfig(min_context=0, calib_steps=args.calib, tolerance=tol, calib_metric=args.metric,
-                          calib_quantile=q, cluster_size=cs, outliers=o, probe_dims=int(pr.split(":")[0]),
-                          probe_run=int((pr.split(":") + ["1"])[1]), probe_keys=args.probe_keys)
+                          calib_quantile=q, cluster_size=cs, outliers=o, probe_dims=pr, probe_keys=args.probe_keys)
         sparse_arms[name] = tol
         decs[name] = StaticDecoder(model, build_sparse_policy(ck.config, scsa), max_len=max_len, dynamic=True)
     if args.controls:  # tau 0, no calibration: every cluster opened, so no tail at all
@@ -184,7 +183,7 @@ def main():
             rows_per_call = max(1, sparse_calls * ck.config.num_kv_heads * (L + args.calib + len(judged) / 2))
             row = {"context": L, "arm": arm, "cluster_size": decs[arm].sparse.cfg.cluster_size,
                    "outliers": decs[arm].sparse.cfg.outliers, "probe_dims": decs[arm].sparse.cfg.probe_dims,
-                   "probe_keys": decs[arm].sparse.cfg.probe_keys, "probe_run": decs[arm].sparse.cfg.probe_run,
+                   "probe_keys": decs[arm].sparse.cfg.probe_keys,
                    "tolerance": sparse_arms[arm], "timed_steps_per_arm": args.rounds * len(forms) * args.block,
                    "agreement": agree / len(judged), "agreed_steps": agree, "judged_steps": len(judged),
                    "calibration_steps_agreeing": calib_agree, "calibration_steps": calib,

@@ -122,7 +122,7 @@ def sparse_cfg(args, packing: str, calib: int) -> SCSAConfig:
                       calib_quantile=args.calib_quantile, packing=packing, calib_metric=args.metric,
                       cluster_size=args.cluster_size,
                       outliers=args.outliers, refine=args.refine, probe_dims=args.probe_dims,
-                      probe_keys=args.probe_keys, probe_run=args.probe_run)
+                      probe_keys=args.probe_keys)
 
 
 def nll(model, cache, policy, first: int, cont: list) -> float:
@@ -359,7 +359,6 @@ def main() -> int:
     ap.add_argument("--probe-dims", type=int, default=SCSAConfig().probe_dims,
                     help="SCSAConfig.probe_dims (every sparse arm, calibration included)")
     ap.add_argument("--probe-keys", type=int, default=SCSAConfig().probe_keys, help="SCSAConfig.probe_keys")
-    ap.add_argument("--probe-run", type=int, default=SCSAConfig().probe_run, help="SCSAConfig.probe_run")
     ap.add_argument("--tasks", nargs="*", default=list(RETRIEVAL_TASKS))
     ap.add_argument("--samples", type=int, default=2, help="retrieval prompts per task")
     ap.add_argument("--seed", type=int, default=42)
@@ -391,7 +390,7 @@ def main() -> int:
     out = {"model": args.model, "dtype": "bfloat16", "metric": args.metric, "calib_quantile": args.calib_quantile,
            "cluster_size": args.cluster_size,
            "outliers": args.outliers, "refine": args.refine, "probe_dims": args.probe_dims,
-           "probe_keys": args.probe_keys, "probe_run": args.probe_run,
+           "probe_keys": args.probe_keys,
            "tolerances": args.tolerances, "packings": args.packings, "min_context": args.min_context,
            "retrieval_calib": args.retrieval_calib, "controls": args.controls, "oracle_net": args.oracle_net,
            "probe_net": args.probe_net,

@@ -162,13 +162,13 @@ def test_choose_at_another_tolerance_equals_calibrating_at_it(decode):
         assert torch.equal(base.calibrator.choose(base.cfg.tau_default, tol), other.taus)
 
 
-@pytest.mark.parametrize("hierarchical, refine, probe, run", [(False, 0, 0, 1), (True, 0, 0, 1), (False, 2, 0, 1),
-                                                              (False, 0, 4, 1), (False, 2, 4, 1), (False, 0, 8, 4)])
-def test_replay_errors_equal_one_sparse_output_per_tau(decode, hierarchical, refine, probe, run):
+@pytest.mark.parametrize("hierarchical, refine, probe", [(False, 0, 0), (True, 0, 0), (False, 2, 0), (False, 0, 4),
+                                                         (False, 2, 4)])
+def test_replay_errors_equal_one_sparse_output_per_tau(decode, hierarchical, refine, probe):
     # replay_errors shares one output among taus that open the same clusters; each row must
     # still equal the error of the sparse output computed at that tau on its own (with refine,
     # the replay prices every cluster once where the live call reads only what it opened)
-    layer = SCSALayer(small_cfg(hierarchical=hierarchical, refine=refine, probe_dims=probe, probe_run=run), H, HKV, D)
+    layer = SCSALayer(small_cfg(hierarchical=hierarchical, refine=refine, probe_dims=probe), H, HKV, D)
     q, k, v = decode[-1]
     layer.attend(q, k, v, D ** -0.5)  # builds the index (a calibration call)
     index = layer.indexes[0]

@@ -32,8 +32,6 @@ from sparse_fixtures import one_thread  # noqa: F401  (autouse)
     (dict(refine=1, hierarchical=True), "refine applies to flat selection"),
     (dict(probe_dims=-1), "probe_dims must be >= 0"),
     (dict(probe_keys=0), "probe_keys >= 1"),
-    (dict(probe_dims=16, probe_run=3), "probe_run must be one of 1, 2, 4, 8"),
-    (dict(probe_dims=6, probe_run=4), "divide probe_dims"),
     (dict(probe_dims=8, hierarchical=True), "the probe applies to flat selection"),
 ])
 def test_config_rejects_bad_settings(kwargs, needle):

@@ -19,6 +19,8 @@ def test_cost_model_counts_row_reads():
     assert cost.dense_cost(2, 1000) == cost.DENSE_FIXED + 2000.0
     want = cost.FIXED + cost.PER_CLUSTER * 2 * 10 + cost.PER_OPENED * 300 + cost.PER_EXACT * 50
     assert cost.sparse_cost(2, 10, 300, 50) == want
+    assert cost.PER_PROBED > 0  # the probe's pass: every probed row at its price
+    assert cost.sparse_cost(2, 10, 300, 50, 4000) == want + cost.PER_PROBED * 4000
 
 
 def test_calibrator_cost_ratio_at_the_chosen_taus():
@@ -28,7 +30,7 @@ def test_calibrator_cost_ratio_at_the_chosen_taus():
     opened = torch.tensor([[900, 800], [500, 400], [100, 300]])  # rows each tau opens, per head
     n_values = (5000, 20000)
     for n in n_values:
-        cal.record([errors], [(n, 40, 120, opened)])
+        cal.record([errors], [(n, 40, 120, opened, 0)])
     ratios = sorted(cost.sparse_cost(2, 40, 100 + 800, 120) / cost.dense_cost(2, n) for n in n_values)
     assert cal.cost_ratio() == float(torch.tensor(ratios).median())
     # another tolerance, other taus: head 1 may now take 0.2 too
@@ -76,6 +78,30 @@ def test_long_cache_with_few_opened_rows_stays_sparse():
     assert 0 < layer.counters["opened_rows"] - before < HKV * n  # a sparse call, not a dense one
 
 
+def test_the_probe_is_priced():
+    """With the probe on, the layer's predicted cost adds its pass over every packed member row
+    (and the calibrator records those rows), at the same chosen taus."""
+    n = 8192
+    cache = synthetic_cache(n, HKV, D, seed=3)
+    q = cache.queries(1, H, seed=4)[0]
+    scale = D ** -0.5
+    kw = dict(min_context=0, calib_steps=2, tolerance=0.2, outliers=0)
+    for dims in (8, D):
+        probed = calibrated(SCSAConfig(**kw, probe_dims=dims), q, cache.k, cache.v, scale, 2)
+        index = probed.indexes[0]
+        rows = HKV * index.packed_rows
+        assert probed.calibrator.reads[0][4] == rows
+        assert 0 < rows <= HKV * n and rows == HKV * int(index.counts[:index.num_clusters].sum())
+        opened = probed.calibrator.reads[0][3][probed.calibrator.choice(), torch.arange(HKV)].sum()
+        want = cost.sparse_cost(HKV, index.num_clusters, float(opened), HKV * index.exact_count(n), rows) \
+            / cost.dense_cost(HKV, n)
+        assert abs(probed.cost_ratio - want) <= 1e-6 * want
+        unpriced = cost.sparse_cost(HKV, index.num_clusters, float(opened), HKV * index.exact_count(n)) \
+            / cost.dense_cost(HKV, n)
+        # the pass is not free: the ratio carries its whole term (the median is taken in float32)
+        assert probed.cost_ratio - unpriced >= 0.99 * cost.PER_PROBED * rows / cost.dense_cost(HKV, n) > 0.01
+
+
 def test_cli_sparse_flags_reach_the_config():
     import argparse
 
@@ -96,5 +122,4 @@ def test_cli_sparse_flags_reach_the_config():
     pol = sparse_policy(config, p.parse_args(["--policy", "sparse", "--sparse-probe", "16"]))
     assert pol.sparse_config.probe_dims == 16
     assert sparse_policy(config, p.parse_args(["--policy", "sparse"])).sparse_config.probe_dims == 0
-    pol = sparse_policy(config, p.parse_args(["--policy", "sparse", "--sparse-probe", "16", "--sparse-probe-run", "4"]))
-    assert (pol.sparse_config.probe_dims, pol.sparse_config.probe_run) == (16, 4)
+

@@ -66,18 +66,15 @@ def test_outliers_match_torch_path_and_serial(H, HKV, D, tau):
 
 
 @pytest.mark.parametrize("H,HKV,D", [(14, 2, 64), (6, 3, 48), (4, 2, 40), (4, 4, 64)])
-@pytest.mark.parametrize("tau, dims, keys, run", [(0.5, 8, 1, 1), (0.05, 8, 3, 1), (1.0, 64, 2, 1), (0.5, 1, 2, 1),
-                                                  (0.5, 16, 1, 4), (0.05, 8, 3, 2), (0.5, 8, 2, 8)])
-def test_probe_matches_torch_path_and_serial(H, HKV, D, tau, dims, keys, run):
+@pytest.mark.parametrize("tau, dims, keys", [(0.5, 8, 1), (0.05, 8, 3), (1.0, 64, 2), (0.5, 1, 2)])
+def test_probe_matches_torch_path_and_serial(H, HKV, D, tau, dims, keys):
     """The probe inside the native call opens what the PyTorch and float64 paths open (its
     scores as theirs: the same quantized masked query and integer block dots); with tau 1 only
     the probe opens anything, and all of D scored (dims 64 >= D) is the exact ranking. The
     native scorer reads only the dimension runs where some query head of the chunk is non-zero:
     with one query head per KV head and one dimension (4, 4, 64 at dims 1) one of the two q8
-    blocks has none, so the skipped-block path is taken on every call. With probe_run the kept
-    dimensions are whole runs (SCSAConfig.probe_run), chosen alike on every path."""
-    layer = check_case(H, HKV, D, 700, tau, cluster_size=24, outliers=3, probe_dims=dims, probe_keys=keys,
-                       probe_run=run)
+    blocks has none, so the skipped-block path is taken on every call."""
+    layer = check_case(H, HKV, D, 700, tau, cluster_size=24, outliers=3, probe_dims=dims, probe_keys=keys)
     assert 0 < layer.counters["opened_rows"]
 
 
@@ -161,8 +158,8 @@ def test_cluster_sizes_off_the_8_row_tiles(cluster_size):
 
 @pytest.mark.parametrize("H,HKV,D,cluster_size", [(14, 2, 64, 16), (4, 1, 256, 24), (6, 3, 48, 13),
                                                   (4, 2, 40, 20), (18, 2, 32, 24)])
-@pytest.mark.parametrize("probe, run", [(0, 1), (8, 1), (8, 4)])
-def test_avx512_form_equals_the_avx2_form(H, HKV, D, cluster_size, probe, run):
+@pytest.mark.parametrize("probe", [0, 8, 512])
+def test_avx512_form_equals_the_avx2_form(H, HKV, D, cluster_size, probe):
     """The AVX-512 opened-cluster phase does the AVX2 one's integer dots and float operations in
     the same order per element, so outputs, selections and counters are bit-identical (head
     dims with q8 blocks of 32, 16 and 8 values: with 8 the values stay AVX2; 9 query heads per
@@ -178,8 +175,7 @@ def test_avx512_form_equals_the_avx2_form(H, HKV, D, cluster_size, probe, run):
     try:
         for wide in (False, True):
             assert native.avx512(wide) is wide
-            layer = SCSALayer(small_cfg(tau_default=0.03, cluster_size=cluster_size, probe_dims=probe, probe_run=run),
-                              H, HKV, D)
+            layer = SCSALayer(small_cfg(tau_default=0.03, cluster_size=cluster_size, probe_dims=probe), H, HKV, D)
             outs = [layer.attend(q, k, v, scale) for q in qs]
             results.append((outs, layer._last[-1][1].opened, dict(layer.counters)))
     finally:

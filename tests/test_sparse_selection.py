@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from longattn.sparse import SCSALayer
-from longattn.sparse.kernel import NEG_INF, probe_mask, stop_counts
+from longattn.sparse.kernel import NEG_INF, stop_counts
 from longattn.sparse.tree import build_tree, similarity_order
 from sparse_fixtures import attn_case, one_thread, small_cfg as _small_cfg  # noqa: F401
 
@@ -126,14 +126,13 @@ def _more_than_the_single_decision(case, cfg, single_cfg) -> int:
 
 
 @pytest.mark.parametrize("packing", ["f32", "q8_0"])
-@pytest.mark.parametrize("dims, keys, refine, run", [(4, 1, 0, 1), (4, 3, 0, 1), (D, 2, 0, 1), (4, 3, 2, 1),
-                                                     (8, 1, 0, 4), (4, 2, 0, 2), (16, 3, 2, 8)])
-def test_probe_matches_serial_reference(case, packing, dims, keys, refine, run):
+@pytest.mark.parametrize("dims, keys, refine", [(4, 1, 0), (4, 3, 0), (D, 2, 0), (4, 3, 2)])
+def test_probe_matches_serial_reference(case, packing, dims, keys, refine):
     """probe: the PyTorch path picks the clusters the float64 path picks, on top of the stop
     rule's single decision (never fewer; refine then re-decides from the union), and opens more
-    somewhere; also with the dimensions in runs (probe_run)."""
+    somewhere."""
     kw = dict(packing=packing, tau_default=0.5, outliers=3)
-    cfg = small_cfg(probe_dims=dims, probe_keys=keys, refine=refine, probe_run=run, **kw)
+    cfg = small_cfg(probe_dims=dims, probe_keys=keys, refine=refine, **kw)
     assert _more_than_the_single_decision(case, cfg, small_cfg(**kw)) > 0
 
 
@@ -157,29 +156,6 @@ def test_probe_over_every_dimension_opens_each_heads_top_keys(case):
                 want[h, cluster[s[j].topk(keys).indices]] = True
         assert torch.equal(opened, want)  # tau 1 opens nothing by the rule: only the probe's
         assert 0 < int(opened.sum()) <= HKV * g * keys
-
-
-@pytest.mark.parametrize("run", [2, 4, 8])
-def test_probe_runs_keep_the_highest_energy_runs(run):
-    """probe_mask with runs: whole aligned runs, dims // run of them, none left out holding more
-    sum of squares than one kept (ties to the lower run: equal-energy runs built on purpose)."""
-    g = torch.Generator().manual_seed(5)
-    qg = torch.randn(3, 4, 32, generator=g)
-    dims = 2 * run
-    mask = probe_mask(qg, dims, run)
-    runs = mask.unflatten(-1, (-1, run))
-    assert torch.equal(runs.amin(-1), runs.amax(-1))  # whole runs only
-    kept = runs[..., 0].bool()
-    assert torch.equal(kept.sum(-1), torch.full((3, 4), dims // run))
-    energy = qg.double().square().unflatten(-1, (-1, run)).sum(-1)
-    low = energy.masked_fill(~kept, float("inf")).amin(-1)
-    high = energy.masked_fill(kept, float("-inf")).amax(-1)
-    assert bool((low >= high).all())
-    assert torch.equal(probe_mask(qg, dims), probe_mask(qg, dims, 1))
-    qg[1, 2] *= 0.1
-    qg[1, 2, 2 * run:3 * run] = qg[1, 2, 5 * run:6 * run] = 3.0  # runs 2 and 5 tie, above the rest
-    one = probe_mask(qg, run, run)[1, 2]
-    assert one.sum() == run and bool(one[2 * run:3 * run].all())  # one run kept: the lower
 
 
 @pytest.mark.parametrize("tau", [0.003, 0.03, 0.3])

@@ -70,8 +70,7 @@ def build_sparse_policy(cfg, scsa: Optional[SCSAConfig] = None, layers: Optional
 # the CLI's --sparse-* options (argparse dest -> SCSAConfig field)
 CLI_FIELDS = (("sparse_min_context", "min_context"), ("sparse_tolerance", "tolerance"),
               ("sparse_calib_quantile", "calib_quantile"), ("sparse_outliers", "outliers"),
-              ("sparse_probe_dims", "probe_dims"), ("sparse_probe_run", "probe_run"),
-              ("sparse_dense_when_cheaper", "dense_when_cheaper"))
+              ("sparse_probe_dims", "probe_dims"), ("sparse_dense_when_cheaper", "dense_when_cheaper"))
 
 
 def sparse_policy(cfg, args) -> AttentionPolicy:

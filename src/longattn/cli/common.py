@@ -59,10 +59,6 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                    help="sparse: every key also scored over the query's R largest dimensions; the "
                         "clusters of each query head's best key open whatever the stop rule says "
                         "(16: 14 of 16 variable-tracking answers as dense's, against 10; default: 0 = off)")
-    p.add_argument("--sparse-probe-run", dest="sparse_probe_run", type=int, default=argparse.SUPPRESS, metavar="U",
-                   help="sparse: the probe's dimensions in aligned runs of U (1, 2, 4 or 8) with the "
-                        "largest sum of squares; 4 reads a quarter of each key per query head at R 16 "
-                        "(default: 1, single dimensions)")
     p.add_argument("--sparse-always", dest="sparse_dense_when_cheaper", action="store_false",
                    default=argparse.SUPPRESS,
                    help="sparse: keep calibrated layers sparse even where the cost model predicts "

@@ -59,7 +59,7 @@ class Calibrator:
         self.hkv = num_kv_heads
         self.samples: list[torch.Tensor] = []  # each [T, Hkv]
         # per sample, what the sparse call would read at each tau: (n, clusters, exact rows,
-        # opened rows [T, Hkv]) (see cost.py); kept only where the caller records it
+        # opened rows [T, Hkv], probed rows) (see cost.py); kept only where the caller records it
         self.reads: list[tuple] = []
         self.calls = 0
 
@@ -69,7 +69,8 @@ class Calibrator:
 
     def record(self, errors: list[torch.Tensor], reads: list[tuple] | None = None) -> None:
         """One calibration call: a ``[T, Hkv]`` error table per batch row, and optionally per row
-        ``(n, clusters, exact_rows, opened_rows [T, Hkv])`` for the cost rule."""
+        ``(n, clusters, exact_rows, opened_rows [T, Hkv], probed_rows)`` for the cost rule
+        (probed rows: 0 without the probe)."""
         self.samples.extend(e.double() for e in errors)
         if reads:
             self.reads.extend(reads)
@@ -112,6 +113,6 @@ class Calibrator:
             return None
         best = self.choice(tolerance)
         heads = torch.arange(self.hkv)
-        ratios = [sparse_cost(self.hkv, clusters, float(opened[best, heads].sum()), exact) / dense_cost(self.hkv, n)
-                  for n, clusters, exact, opened in self.reads]
+        ratios = [sparse_cost(self.hkv, clusters, float(opened[best, heads].sum()), exact, probed)
+                  / dense_cost(self.hkv, n) for n, clusters, exact, opened, probed in self.reads]
         return float(torch.tensor(ratios).median())

@@ -22,9 +22,6 @@ DEFAULT_TAU_GRID = (0.0,) + tuple(round(0.0025 * 2 ** (i / 2), 6) for i in range
 #   "head":  the worst query head's ||o_tau - o|| / ||o||;
 #   "group": ||O_tau - O||_F / ||O||_F over the g heads' outputs together (<= "head" always).
 CALIB_METRICS = ("head", "group")
-# SCSAConfig.probe_run: lengths of the aligned dimension runs the probe may choose (head_dim is a
-# multiple of 8, so each divides it)
-PROBE_RUNS = (1, 2, 4, 8)
 # How the hierarchical tree groups leaf clusters (see tree.similarity_order):
 #   "similar": leaves with similar centroids share a subtree (default);
 #   "cache":   consecutive clusters of the cache (the earlier behaviour, for comparison).
@@ -92,12 +89,6 @@ class SCSAConfig:
             identical to dense, against 4 of 8). Calibration replays it; the native call runs it
             (one more scoring pass over every packed key row per call).
         probe_keys: keys per query head whose clusters the probe opens (>= 1).
-        probe_run: the probe's dimensions come in aligned runs of this many (1, the default:
-            single dimensions, the ``probe_dims`` largest ``|q_i|``; 2, 4 or 8: the
-            ``probe_dims / probe_run`` runs ``[j * run, (j + 1) * run)`` with the largest
-            ``sum q_i^2``, ties to the lower run). The native scorer reads the packed keys four
-            dimensions at a time, so with runs of 4 each query head's pass touches exactly its
-            ``probe_dims / 4`` runs instead of the ~60% of them that 16 scattered dimensions hit.
         dense_when_cheaper: at the end of calibration, a layer whose sparse calls (at the taus
             it chose, over the calibration calls' opened and exact rows, median) are predicted
             to cost more than its dense read attends densely, exactly, instead: every KV head's
@@ -135,7 +126,6 @@ class SCSAConfig:
     refine: int = 0
     probe_dims: int = 0
     probe_keys: int = 1
-    probe_run: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -190,9 +180,6 @@ class SCSAConfig:
         if self.probe_dims < 0 or self.probe_keys < 1:
             bad(f"probe_dims must be >= 0 (0 = no probe) and probe_keys >= 1, got probe_dims="
                 f"{self.probe_dims} probe_keys={self.probe_keys}")
-        if self.probe_run not in PROBE_RUNS or self.probe_dims % self.probe_run:
-            bad(f"probe_run must be one of {', '.join(map(str, PROBE_RUNS))} and divide probe_dims, got "
-                f"probe_run={self.probe_run} probe_dims={self.probe_dims}")
         if self.probe_dims and self.hierarchical:
             bad("the probe applies to flat selection; set hierarchical=False or probe_dims=0")
         if self.min_context < 0:

@@ -7,9 +7,11 @@ the fused dense decode kernel does per cached token and KV head. Ratios of two c
 one host move less between hosts than their times do.
 
     sparse = FIXED + PER_CLUSTER * Hkv * M + PER_OPENED * opened rows + PER_EXACT * exact rows
+             + PER_PROBED * probed rows
     dense  = DENSE_FIXED + Hkv * N
 
-(opened and exact rows summed over the KV heads; M clusters per head). FIXED is the call's
+(opened, exact and probed rows summed over the KV heads; M clusters per head; probed rows are
+every packed member row when SCSAConfig.probe_dims is on, else none). FIXED is the call's
 Python and native set-up, PER_CLUSTER the summaries scored and ranked for every query head,
 PER_OPENED a q8_0 row scored and summed (integer dots, dequantized values: more instructions
 than a float32 row but a quarter of the bytes), PER_EXACT a float32 row gathered from the cache
@@ -31,11 +33,18 @@ PER_CLUSTER = 6.5
 PER_OPENED = 0.7
 PER_EXACT = 1.45
 DENSE_FIXED = 2750.0
+# The probe's pass (SCSAConfig.probe_dims) per packed member row, fitted alone against the four
+# constants above (session 18: scsa_cost.py --probes 16 64, per_probed_given_cost_py 0.329 over
+# 2K-32K rows; about 8 ns per row at 16 dims and 10 ns at 64 against 23 ns per dense row read).
+# The pass reads every key tile, so from DRAM (a model step) it costs more than this L3 fit says.
+PER_PROBED = 0.33
 
 
-def sparse_cost(num_kv_heads: int, clusters: int, opened_rows: float, exact_rows: float) -> float:
+def sparse_cost(num_kv_heads: int, clusters: int, opened_rows: float, exact_rows: float,
+                probed_rows: float = 0.0) -> float:
     """A sparse call's predicted cost in dense row reads (rows summed over the KV heads)."""
-    return FIXED + PER_CLUSTER * num_kv_heads * clusters + PER_OPENED * opened_rows + PER_EXACT * exact_rows
+    return FIXED + PER_CLUSTER * num_kv_heads * clusters + PER_OPENED * opened_rows + PER_EXACT * exact_rows \
+        + PER_PROBED * probed_rows
 
 
 def dense_cost(num_kv_heads: int, n: int) -> float:

@@ -177,6 +177,12 @@ class ClusterIndex:
         s0, s1 = self.exact_slots(n)
         return s0 + self.extra_slots.shape[1] + n - s1
 
+    @property
+    def packed_rows(self) -> int:
+        """Packed member rows per KV head (every head's clusters hold the same counts): what the
+        probe scores per KV head and call (SCSAConfig.probe_dims)."""
+        return int(self.counts[:self.num_clusters].sum())
+
     def exact_slot_lists(self, n: int) -> torch.Tensor:
         """int64 ``[Hkv, E]``: every slot read exactly, per KV head, ascending (the sink, the
         outliers, the unsealed suffix)."""

@@ -128,22 +128,11 @@ def refine_opened(opened: torch.Tensor, est: torch.Tensor, log_exact: torch.Tens
     return opened | needed(est.masked_fill(o, NEG_INF), captured, tau)
 
 
-def probe_mask(qg: torch.Tensor, dims: int, run: int = 1) -> torch.Tensor:
+def probe_mask(qg: torch.Tensor, dims: int) -> torch.Tensor:
     """Each query head's ``dims`` largest-magnitude dimensions (ties: the lower dimension; all of
-    them when ``dims >= D``), as a float 0/1 mask ``[Hkv, g, D]`` of ``qg`` ``[Hkv, g, D]``. With
-    ``run > 1`` (SCSAConfig.probe_run) its ``dims // run`` aligned runs of ``run`` dimensions
-    with the largest ``sum q_i^2`` instead, summed in float64 in dimension order (squares of
-    float32 values are exact there, so every path ranks them alike), ties to the lower run."""
-    if run == 1:
-        order = qg.abs().sort(dim=-1, descending=True, stable=True).indices[..., :dims]
-        return torch.zeros_like(qg).scatter_(-1, order, 1.0)
-    sq = qg.double().square().unflatten(-1, (-1, run))  # [Hkv, g, D / run, run]
-    energy = sq[..., 0]
-    for i in range(1, run):  # in order, as the other paths add them
-        energy = energy + sq[..., i]
-    order = energy.sort(dim=-1, descending=True, stable=True).indices[..., :dims // run]
-    keep = torch.zeros(energy.shape, dtype=qg.dtype).scatter_(-1, order, 1.0)
-    return keep.repeat_interleave(run, -1)
+    them when ``dims >= D``), as a float 0/1 mask ``[Hkv, g, D]`` of ``qg`` ``[Hkv, g, D]``."""
+    order = qg.abs().sort(dim=-1, descending=True, stable=True).indices[..., :dims]
+    return torch.zeros_like(qg).scatter_(-1, order, 1.0)
 
 
 def probe_opened(scores: torch.Tensor, cluster_size: int, keys: int) -> torch.Tensor:

@@ -288,14 +288,13 @@ class SCSALayer:
         ``prep`` so a call and its calibration replay compute it once.
 
         Every member row of every cluster is scored ``q.c + q_S.(k - c)_S``: the store scores the
-        query masked to its ``probe_dims`` largest dimensions ``q_S`` (or runs of them,
-        ``probe_run``; as it scores opened rows:
+        query masked to its ``probe_dims`` largest dimensions ``q_S`` (as it scores opened rows:
         ``q_S.c_store + q_S.(k - c_store)``), and the rest of the centroid term ``(q - q_S).c``
         is added per cluster."""
         if "probe" in prep:
             return prep["probe"]
         qg, M, cs = prep["qg"], index.num_clusters, self.cfg.cluster_size
-        qm = qg * probe_mask(qg, self.cfg.probe_dims, self.cfg.probe_run)
+        qm = qg * probe_mask(qg, self.cfg.probe_dims)
         ids = torch.arange(M).expand(self.num_kv_heads, M)
         s = index.store.scores(index.store.prepare_query(qm), ids)  # [Hkv, g, M * cs]
         centre = torch.bmm(qg - qm, index.live_summ[:, :, 0].transpose(1, 2))  # [Hkv, g, M]
@@ -406,7 +405,7 @@ class SCSALayer:
             q_row.float(), k_row, v_row, s0, s1, index.extra_slots, index.summ, index.resid, index.log_counts,
             index.radius, index.vmean, index.counts, M, st.kt, st.ks, st.vi, st.vs,
             taus if taus is self.taus else taus.float().contiguous(), float(scale),
-            self.cfg.probe_dims, self.cfg.probe_keys, self.cfg.probe_run)
+            self.cfg.probe_dims, self.cfg.probe_keys)
         sel = Selection(opened, None, None, self.num_kv_heads * M)  # flat: tails = ~opened (see _accounting)
         return out.view(self.num_kv_heads, self.group, self.head_dim), sel, int(rows)
 
@@ -466,7 +465,8 @@ class SCSALayer:
             prep = self._prepare(index, q[b, :, 0], k[b], v[b], scale)
             errors, opened = self.replay(index, prep, o_exact, scale)
             tables.append(errors)
-            reads.append((n, index.num_clusters, self.num_kv_heads * index.exact_count(n), opened))
+            probed = self.num_kv_heads * index.packed_rows if self.cfg.probe_dims else 0
+            reads.append((n, index.num_clusters, self.num_kv_heads * index.exact_count(n), opened, probed))
         self.calibrator.record(tables, reads)
         if self.calibrator.done:
             self.set_taus(self.choose_taus())

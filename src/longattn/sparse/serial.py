@@ -48,21 +48,11 @@ def _logsumexp(xs: list) -> float:
 def probe_clusters(cfg, index, h: int, qs: torch.Tensor) -> set:
     """The clusters KV head ``h``'s probe opens (``SCSAConfig.probe_dims``) for its query heads
     ``qs`` float32 ``[g, D]``: per query head, every member row scored ``q.c + q_S.(k - c)_S`` one
-    at a time, the ``probe_keys`` best rows by (score, cluster, row) (S: the ``probe_dims``
-    largest ``|q_i|``, or the runs of ``probe_run`` dimensions with the largest sum of squares)."""
+    at a time, the ``probe_keys`` best rows by (score, cluster, row)."""
     chosen = set()
     D, cs = qs.shape[1], cfg.cluster_size
     for q in qs:
-        if cfg.probe_run == 1:
-            dims = sorted(range(D), key=lambda i: (-abs(float(q[i])), i))[:cfg.probe_dims]
-        else:  # runs by sum of squares (float64: exact squares, summed in order), ties lower run
-            run = cfg.probe_run
-            energy = [0.0] * (D // run)
-            for j in range(D // run):
-                for i in range(run):
-                    energy[j] += float(q[j * run + i]) ** 2
-            runs = sorted(range(D // run), key=lambda j: (-energy[j], j))[:cfg.probe_dims // run]
-            dims = [j * run + i for j in runs for i in range(run)]
+        dims = sorted(range(D), key=lambda i: (-abs(float(q[i])), i))[:cfg.probe_dims]
         qm = torch.zeros_like(q)
         qm[dims] = q[dims]
         q_store = index.store.query_view(qm.view(1, 1, D))[0, 0].double()  # q_S as the store scores it

@@ -19,11 +19,10 @@
 //   vi         [Hkv, Cs, cs, D]  int8     packed member values, row-major
 //   ks, vs     [Hkv, Cs, cs, nb] float32  one scale per block of D / nb values
 //   taus       [Hkv]             float32  stop-rule threshold per KV head
-//   probe_dims, probe_keys, probe_run     the key-level net (SCSAConfig.probe_dims; 0 = off): per
+//   probe_dims, probe_keys                the key-level net (SCSAConfig.probe_dims; 0 = off): per
 //                                         query head, every member row scored q.c + q8dot(q_S, k - c)
-//                                         over its probe_dims largest |q_i| (or its aligned runs of
-//                                         probe_run dims with the largest sum of squares); the
-//                                         clusters of its probe_keys best rows open as well
+//                                         over its probe_dims largest |q_i|; the clusters of its
+//                                         probe_keys best rows open as well
 //   -> (out [H, D] float32, opened [Hkv, M] bool, opened member rows over all heads: int64 scalar)
 //
 // Per KV head (phase A, heads in parallel): every cluster's tail logit a + log m and capped
@@ -435,41 +434,31 @@ void tiled_weighted_rows(const float* p, int64_t p_stride, int64_t G, const floa
 
 // The probe of one KV head (SCSAConfig.probe_dims): marks op[c] for the clusters holding each
 // query head's `keys` best member rows, every row of the M clusters scored q.c + q8dot(q_S, k - c)
-// with q_S the query kept on its `dims` largest |q_i| (ties: the lower dimension), or on its
-// dims / run aligned runs of `run` dimensions with the largest sum of squares, and quantized
+// with q_S the query kept on its `dims` largest |q_i| (ties: the lower dimension) and quantized
 // as the opened rows' query is; qc [G, M] holds q.c per cluster (phase A's centre dots). Rows
 // rank by score, ties to the lower row c * cs + i, as the PyTorch path's stable sort does.
 // One pass over the key tiles: each head's dots read only the dimension units where its query
 // is non-zero (probe_tile_scores), and each tile's scores go straight to the heads' best lists.
 // The rows are met in ascending order, so once a head's list is full a row can only enter with a
 // strictly higher score than the list's last; one vector compare per head and tile finds the
-// (rare) rows that do. An earlier form stored all G x rows scores (~0.9 MB at 32K) and ranked
-// them afterwards, and scored every dimension: about twice the time for the same bits.
-void probe_clusters(const float* qh, int64_t G, int64_t D, int64_t qb, int64_t dims, int64_t run, int64_t keys,
-                    int64_t M,
+// (rare) rows that do. An earlier form stored all G x rows scores (~0.9 MB at 32K), ranked them
+// afterwards and scored every dimension: twice the time for the same bits with the keys in L3
+// (synthetic 32K call, 0.99 -> ~0.5 ms). From DRAM, as in a model step, the pass is bound by
+// reading every key tile: ~0.6 ms at 16 dimensions, ~0.7 ms at all 64 (12 copies of that call).
+void probe_clusters(const float* qh, int64_t G, int64_t D, int64_t qb, int64_t dims, int64_t keys, int64_t M,
                     const int64_t* cnt, int64_t cs, const int8_t* kt, const float* ks, int64_t tile_bytes,
                     const float* qc, bool wide, bool* op) {
   const int64_t nb = D / qb;
   std::vector<int16_t> q16(G * D);
   std::vector<float> qs(G * nb), qm(D);
-  // the kept dimensions: the `dims` largest |q_i|, or (run > 1) the dims / run aligned runs with
-  // the largest sum of squares, in double (exact squares, added in dimension order as the
-  // PyTorch path adds them); stable sorts, so ties go to the lower dimension or run
-  const int64_t U = D / run;
-  std::vector<int64_t> order(U);
-  std::vector<double> energy(U);
+  std::vector<int64_t> order(D);
   for (int64_t g = 0; g < G; ++g) {
     const float* q = qh + g * D;
-    for (int64_t u = 0; u < U; ++u) {
-      order[u] = u;
-      double e = 0.0;
-      for (int64_t i = 0; i < run; ++i) e += static_cast<double>(q[u * run + i]) * static_cast<double>(q[u * run + i]);
-      energy[u] = run == 1 ? std::fabs(q[u]) : e;
-    }
-    std::stable_sort(order.begin(), order.end(), [&energy](int64_t a, int64_t b) { return energy[a] > energy[b]; });
+    for (int64_t d = 0; d < D; ++d) order[d] = d;
+    std::stable_sort(order.begin(), order.end(),
+                     [q](int64_t a, int64_t b) { return std::fabs(q[a]) > std::fabs(q[b]); });
     std::fill(qm.begin(), qm.end(), 0.0f);
-    for (int64_t i = 0; i < std::min(dims / run, U); ++i)
-      for (int64_t d = order[i] * run; d < (order[i] + 1) * run; ++d) qm[d] = q[d];
+    for (int64_t i = 0; i < std::min(dims, D); ++i) qm[order[i]] = q[order[i]];
     quantize_row(qm.data(), D, qb, q16.data() + g * D, qs.data() + g * nb);
   }
   struct Row { float s; int64_t at; };  // at = c * cs + i
@@ -533,7 +522,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
     const at::Tensor& extra, const at::Tensor& summ, const at::Tensor& resid, const at::Tensor& log_counts,
     const at::Tensor& radius, const at::Tensor& vmean, const at::Tensor& counts, int64_t M, const at::Tensor& kt,
     const at::Tensor& ks, const at::Tensor& vi, const at::Tensor& vs, const at::Tensor& taus, double scale,
-    int64_t probe_dims, int64_t probe_keys, int64_t probe_run) {
+    int64_t probe_dims, int64_t probe_keys) {
   TORCH_CHECK(q.dim() == 2 && k.dim() == 3 && v.dim() == 3, "scsa_decode: q [H, D], k/v [Hkv, N, D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "scsa_decode: q, k, v must be float32");
@@ -567,8 +556,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
   const int64_t nb = ks.size(3), qb = D / nb;
   TORCH_CHECK(qb % 8 == 0, "scsa_decode: q8 blocks must hold a multiple of 8 values");
   TORCH_CHECK(taus.numel() == Hkv, "scsa_decode: taus [Hkv]");
-  TORCH_CHECK(probe_dims >= 0 && probe_keys >= 1 && probe_run >= 1 && D % probe_run == 0 && probe_dims % probe_run == 0,
-              "scsa_decode: probe_dims >= 0, probe_keys >= 1, probe_run >= 1 dividing head_dim and probe_dims");
+  TORCH_CHECK(probe_dims >= 0 && probe_keys >= 1, "scsa_decode: probe_dims >= 0 and probe_keys >= 1");
   for (const auto* t : {&summ, &resid, &radius, &vmean, &ks, &vs, &log_counts, &taus})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "scsa_decode: float32 contiguous index tensors");
   TORCH_CHECK(counts.scalar_type() == at::kLong && counts.is_contiguous() && kt.is_contiguous() && vi.is_contiguous(),
@@ -695,7 +683,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
         for (int64_t i = 0; i < k; ++i) op[order[i].id] = true;
       }
       if (probe_dims > 0 && M > 0)  // the key-level net: opens more, before the tails are taken
-        probe_clusters(qh, G, D, qb, probe_dims, probe_run, probe_keys, M, cntp, cs, ktp + h * Cs * tile_bytes,
+        probe_clusters(qh, G, D, qb, probe_dims, probe_keys, M, cntp, cs, ktp + h * Cs * tile_bytes,
                        ksp + h * Cs * cs * nb, tile_bytes, qcent.data() + h * G * M, wide, op);
       // tails of the unopened clusters, at their value means
       for (int64_t g = 0; g < G; ++g) {
@@ -846,7 +834,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
 TORCH_LIBRARY_FRAGMENT(longattn_cpu, m) {
   m.def("scsa_decode(Tensor q, Tensor k, Tensor v, int s0, int s1, Tensor extra, Tensor summ, "
         "Tensor resid, Tensor log_counts, Tensor radius, Tensor vmean, Tensor counts, int M, Tensor kt, Tensor ks, "
-        "Tensor vi, Tensor vs, Tensor taus, float scale, int probe_dims=0, int probe_keys=1, int probe_run=1) -> "
+        "Tensor vi, Tensor vs, Tensor taus, float scale, int probe_dims=0, int probe_keys=1) -> "
         "(Tensor, Tensor, Tensor)");
 }
 
