@@ -122,4 +122,3 @@ def test_cli_sparse_flags_reach_the_config():
     pol = sparse_policy(config, p.parse_args(["--policy", "sparse", "--sparse-probe", "16"]))
     assert pol.sparse_config.probe_dims == 16
     assert sparse_policy(config, p.parse_args(["--policy", "sparse"])).sparse_config.probe_dims == 0
-

@@ -71,9 +71,9 @@ def test_probe_matches_torch_path_and_serial(H, HKV, D, tau, dims, keys):
     """The probe inside the native call opens what the PyTorch and float64 paths open (its
     scores as theirs: the same quantized masked query and integer block dots); with tau 1 only
     the probe opens anything, and all of D scored (dims 64 >= D) is the exact ranking. The
-    native scorer reads only the dimension runs where some query head of the chunk is non-zero:
-    with one query head per KV head and one dimension (4, 4, 64 at dims 1) one of the two q8
-    blocks has none, so the skipped-block path is taken on every call."""
+    native scorer reads, per query head, only the dimension runs where its query is non-zero:
+    at one dimension one of a head's two q8 blocks (D 64, 4 or 7 heads per KV head) has none,
+    so the skipped-block path is taken on every call."""
     layer = check_case(H, HKV, D, 700, tau, cluster_size=24, outliers=3, probe_dims=dims, probe_keys=keys)
     assert 0 < layer.counters["opened_rows"]
 
@@ -163,8 +163,8 @@ def test_avx512_form_equals_the_avx2_form(H, HKV, D, cluster_size, probe):
     """The AVX-512 opened-cluster phase does the AVX2 one's integer dots and float operations in
     the same order per element, so outputs, selections and counters are bit-identical (head
     dims with q8 blocks of 32, 16 and 8 values: with 8 the values stay AVX2; 9 query heads per
-    KV head: head chunks of 8 + 1; with and without the probe, which scores every row with the
-    same tile forms). A CPU without AVX-512 refuses the forced form instead."""
+    KV head: head chunks of 8 + 1; with and without the probe, whose own tile forms score every
+    row over 8 dimensions or all of them). A CPU without AVX-512 refuses the forced form instead."""
     if not native.avx512(None):
         with pytest.raises(RuntimeError, match="lacks AVX-512"):
             native.avx512(True)

@@ -251,8 +251,9 @@ void q8_tile_values(const int8_t* vrows, const float* vscale, int64_t n, const f
 // non-zero. The skipped products are exact zeros, and a block with none of its units would add
 // (0 * ks) * qs = +0 to a sum that is never -0, so the scores are bit-identical to the full
 // scorer's. The key loads repeat per head (from L1): with the query on 16 of 64 dimensions a
-// head of Qwen2.5 needs ~60% of the runs, the 7 heads of a KV head together ~93%, and the
-// per-head dots, not the loads, are what the probe's pass is made of. Writes s[g * 8 + r].
+// head of Qwen2.5 needs ~60% of the runs but the 7 heads of a KV head together ~93%, so per-head
+// lists save dots where a shared list would not. (The tile still comes from memory whole: from
+// DRAM the pass is bound by that read, see probe_clusters.) Writes s[g * 8 + r].
 template <int GN>
 void probe_tile_scores(const int8_t* tile, const float* kscale, int64_t n, const int16_t* q16, const float* qs,
                        int64_t D, int64_t qb, const int64_t* units, const int64_t* ustart, float* s) {
