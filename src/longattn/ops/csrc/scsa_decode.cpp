@@ -157,6 +157,13 @@ inline __m256 tile_key_scales(const float* kscale, int64_t n, int64_t nb, int64_
   return _mm256_load_ps(col);
 }
 
+// acc + (float(dots) * ks) * qs: one q8 block's term of eight rows' scores (dots the exact
+// integer block dots, ks the rows' key scales, qs the query's block scale), in the order every
+// path (PyTorch, float64, both native forms) takes it.
+inline __m256 add_block_term(__m256 acc, __m256i dots, __m256 ksv, float qs) {
+  return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dots), ksv), _mm256_set1_ps(qs)));
+}
+
 // s[g * stride + r] = lane r of acc[g] for the tile's n real rows (a full tile: one vector
 // store per head; a short one must not write past its rows, the next head's start).
 template <int GN>
@@ -217,8 +224,7 @@ void q8_tile_scores(const int8_t* tile, const float* kscale, int64_t n, const in
     }
     const __m256 ksv = tile_key_scales(kscale, n, nb, b);
     for (int g = 0; g < GN; ++g)
-      acc[g] = _mm256_add_ps(acc[g], _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(ai[g]), ksv),
-                                                   _mm256_set1_ps(qs[g * nb + b])));
+      acc[g] = add_block_term(acc[g], ai[g], ksv, qs[g * nb + b]);
   }
   store_tile_scores<GN>(acc, n, s, stride);
 }
@@ -273,8 +279,7 @@ void probe_tile_scores(const int8_t* tile, const float* kscale, int64_t n, const
         std::memcpy(&pair, q16 + g * D + 2 * p, sizeof(pair));
         ai = _mm256_add_epi32(ai, _mm256_madd_epi16(kv, _mm256_set1_epi32(pair)));
       }
-      acc[g] = _mm256_add_ps(acc[g], _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(ai), ksv),
-                                                   _mm256_set1_ps(qs[g * nb + b])));
+      acc[g] = add_block_term(acc[g], ai, ksv, qs[g * nb + b]);
     }
   }
   store_tile_scores<GN>(acc, n, s, 8);
@@ -290,6 +295,12 @@ void probe_tile_scores(const int8_t* tile, const float* kscale, int64_t n, const
 // fewer instructions are what pays.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+
+// The exact block dots of eight rows from a vpdpwssd accumulator whose lanes 0-7 hold pair 2j's
+// products and lanes 8-15 pair 2j+1's (see vnni_queries).
+inline __m256i fold_pairs(__m512i ai) {
+  return _mm256_add_epi32(_mm512_castsi512_si256(ai), _mm512_extracti64x4_epi64(ai, 1));
+}
 
 // Query pairs laid out for vpdpwssd against a 32-byte run of a tile (dims 4j..4j+3 of 8 rows:
 // int32 lanes 0-7 hold pair 2j, lanes 8-15 pair 2j+1): qx[(g * D/4 + j) * 16 + lane].
@@ -326,11 +337,7 @@ void q8_tile_scores_512(const int8_t* tile, const float* kscale, int64_t n, cons
         ai[g] = _mm512_dpwssd_epi32(ai[g], kv, _mm512_loadu_si512(qx + (g * D4 + j) * 16));
     }
     const __m256 ksv = tile_key_scales(kscale, n, nb, b);
-    for (int g = 0; g < GN; ++g) {
-      const __m256i dots = _mm256_add_epi32(_mm512_castsi512_si256(ai[g]), _mm512_extracti64x4_epi64(ai[g], 1));
-      acc[g] = _mm256_add_ps(acc[g], _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dots), ksv),
-                                                   _mm256_set1_ps(qs[g * nb + b])));
-    }
+    for (int g = 0; g < GN; ++g) acc[g] = add_block_term(acc[g], fold_pairs(ai[g]), ksv, qs[g * nb + b]);
   }
   store_tile_scores<GN>(acc, n, s, stride);
 }
@@ -373,9 +380,7 @@ void probe_tile_scores_512(const int8_t* tile, const float* kscale, int64_t n, c
         const __m512i kv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + j * 32)));
         ai = _mm512_dpwssd_epi32(ai, kv, _mm512_loadu_si512(qx + (g * D4 + j) * 16));
       }
-      const __m256i dots = _mm256_add_epi32(_mm512_castsi512_si256(ai), _mm512_extracti64x4_epi64(ai, 1));
-      acc[g] = _mm256_add_ps(acc[g], _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dots), ksv),
-                                                   _mm256_set1_ps(qs[g * nb + b])));
+      acc[g] = add_block_term(acc[g], fold_pairs(ai), ksv, qs[g * nb + b]);
     }
   }
   store_tile_scores<GN>(acc, n, s, 8);
