@@ -110,7 +110,7 @@ def main() -> int:
             points.append({"n": n, "outliers": o, "tau": tau, "probe_dims": r,
                            "clusters": index.num_clusters,
                            "opened_rows": layer.counters["opened_rows"] / calls,
-                           "exact_rows": HKV * index.exact_count(n), "probed_rows": HKV * index.packed_rows if r else 0,
+                           "exact_rows": HKV * index.exact_count(n), "probed_rows": layer.probed_rows(index),
                            "us": t[(o, tau, r)], "dense_us": t["dense"]})
         print(f"N={n}: dense {t['dense']:.0f} us; " + ", ".join(
             f"out{p['outliers']} tau {p['tau']}" + (f" probe {p['probe_dims']}" if p["probe_dims"] else "")

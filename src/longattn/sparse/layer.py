@@ -451,6 +451,11 @@ class SCSALayer:
             errs.append(err)
         return torch.stack(errs), (opened.long() * counts).sum(-1)
 
+    def probed_rows(self, index: ClusterIndex) -> int:
+        """Rows the probe scores per call, summed over the KV heads: every packed member row when
+        ``probe_dims`` is on, else 0 (what the cost rule prices, cost.PER_PROBED)."""
+        return self.num_kv_heads * index.packed_rows if self.cfg.probe_dims else 0
+
     def _calibration_call(self, q, k, v, scale):
         """Exact output; replays every tau of the grid and records the errors."""
         out = self._dense(q, k, v, scale)
@@ -465,8 +470,8 @@ class SCSALayer:
             prep = self._prepare(index, q[b, :, 0], k[b], v[b], scale)
             errors, opened = self.replay(index, prep, o_exact, scale)
             tables.append(errors)
-            probed = self.num_kv_heads * index.packed_rows if self.cfg.probe_dims else 0
-            reads.append((n, index.num_clusters, self.num_kv_heads * index.exact_count(n), opened, probed))
+            reads.append((n, index.num_clusters, self.num_kv_heads * index.exact_count(n), opened,
+                          self.probed_rows(index)))
         self.calibrator.record(tables, reads)
         if self.calibrator.done:
             self.set_taus(self.choose_taus())
