@@ -51,6 +51,9 @@ def test_incremental_equals_from_scratch(packing, hierarchical, outliers):
             ref = fresh.attend(qs[step % 60], k, v, D ** -0.5)
             assert_same_index(index, fresh.indexes[0])
             assert torch.equal(index.extra_slots, fresh.indexes[0].extra_slots)
+            # the outliers' copies follow every rebuild: the cache's rows at today's slots
+            idx = index.extra_slots.unsqueeze(-1).expand(-1, -1, D)
+            assert torch.equal(index.extra_k, k[0].gather(1, idx)) and torch.equal(index.extra_v, v[0].gather(1, idx))
             assert torch.equal(out, ref)
         n += int(torch.randint(1, 40, (1,), generator=gen))
         step += 1

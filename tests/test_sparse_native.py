@@ -65,6 +65,34 @@ def test_outliers_match_torch_path_and_serial(H, HKV, D, tau):
     assert taken == 5 * M - 1 and index.extra_slots.shape == (HKV, taken)  # 27 clusters of 24-5, one of 9-4
 
 
+def test_outlier_copies_read_as_the_cache_rows():
+    """The native call reads the outliers from the index's contiguous copies (extra_k/extra_v);
+    given none it reads the same rows from the cache by slot: the outputs are the same bits."""
+    H, HKV, D = 14, 2, 64
+    qs, k, v, scale = attn_case(900, H, HKV, D, seed=4, queries=3, query_seed=5, centers=12)
+    layer = SCSALayer(small_cfg(tau_default=0.05, cluster_size=24, outliers=5), H, HKV, D)
+    layer.attend(qs[0], k, v, scale)
+    index = layer.indexes[0]
+    assert index.extra_k.shape == (HKV, index.extra_slots.shape[1], D) and index.extra_slots.shape[1] > 100
+    s0, s1 = index.exact_slots(k.shape[2])
+    st = index.store
+    for q in qs:
+        calls = [torch.ops.longattn_cpu.scsa_decode(
+            q[0, :, 0], k[0], v[0], s0, s1, index.extra_slots, index.summ, index.resid, index.log_counts,
+            index.radius, index.vmean, index.counts, index.num_clusters, st.kt, st.ks, st.vi, st.vs, layer.taus,
+            scale, 0, 1, *copies) for copies in ((index.extra_k, index.extra_v), (None, None))]
+        for a, b in zip(*calls):
+            assert torch.equal(a, b)
+    # a copy that differs from the cache is what the call reads: the copies are not decoration
+    odd = index.extra_v.clone()
+    odd[:, :, :] = 1e3
+    moved = torch.ops.longattn_cpu.scsa_decode(
+        qs[0][0, :, 0], k[0], v[0], s0, s1, index.extra_slots, index.summ, index.resid, index.log_counts,
+        index.radius, index.vmean, index.counts, index.num_clusters, st.kt, st.ks, st.vi, st.vs, layer.taus,
+        scale, 0, 1, index.extra_k, odd)[0]
+    assert not torch.equal(moved, layer.attend(qs[0], k, v, scale)[0, :, 0])
+
+
 @pytest.mark.parametrize("H,HKV,D", [(14, 2, 64), (6, 3, 48), (4, 2, 40), (4, 4, 64)])
 @pytest.mark.parametrize("tau, dims, keys", [(0.5, 8, 1), (0.05, 8, 3), (1.0, 64, 2), (0.5, 1, 2)])
 def test_probe_matches_torch_path_and_serial(H, HKV, D, tau, dims, keys):
@@ -135,17 +163,22 @@ def test_kernel_rejects_bad_inputs():
     st = index.store
     args = [qs[0][0, :, 0], k[0], v[0], 4, 500, index.extra_slots, index.summ, index.resid, index.log_counts,
             index.radius, index.vmean, index.counts, index.num_clusters, st.kt, st.ks, st.vi, st.vs, layer.taus,
-            scale, 0, 1]
-    torch.ops.longattn_cpu.scsa_decode(*args)  # the valid call
+            scale, 0, 1, None, None]
+    torch.ops.longattn_cpu.scsa_decode(*args)  # the valid call (outliers read from the cache)
     for i, bad, needle in ((1, k[0].double(), "float32"), (4, 10_000, "s0 <= s1 <= N"),
                            (5, torch.full((2, 1), 550), r"extra slots must lie in \[s0, s1\)"),
                            (5, torch.zeros(2, 1, dtype=torch.int32), "extra int64"),
                            (12, index.summ.shape[1] + 1, "C >= M"), (17, torch.zeros(3), "taus"),
-                           (19, -1, "probe_dims >= 0"), (20, 0, "probe_keys >= 1")):
+                           (19, -1, "probe_dims >= 0"), (20, 0, "probe_keys >= 1"),
+                           (21, index.extra_k, "go together")):
         wrong = list(args)
         wrong[i] = bad
         with pytest.raises(RuntimeError, match=needle):
             torch.ops.longattn_cpu.scsa_decode(*wrong)
+    X = index.extra_slots.shape[1]
+    for shape in ((2, X + 1, 32), (2, X, 16)):
+        with pytest.raises(RuntimeError, match=r"extra_k/extra_v float32 \[Hkv, X, D\]"):
+            torch.ops.longattn_cpu.scsa_decode(*args[:21], torch.zeros(shape), torch.zeros(shape))
 
 
 

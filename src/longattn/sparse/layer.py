@@ -405,7 +405,7 @@ class SCSALayer:
             q_row.float(), k_row, v_row, s0, s1, index.extra_slots, index.summ, index.resid, index.log_counts,
             index.radius, index.vmean, index.counts, M, st.kt, st.ks, st.vi, st.vs,
             taus if taus is self.taus else taus.float().contiguous(), float(scale),
-            self.cfg.probe_dims, self.cfg.probe_keys)
+            self.cfg.probe_dims, self.cfg.probe_keys, index.extra_k, index.extra_v)
         sel = Selection(opened, None, None, self.num_kv_heads * M)  # flat: tails = ~opened (see _accounting)
         return out.view(self.num_kv_heads, self.group, self.head_dim), sel, int(rows)
 

@@ -8,6 +8,13 @@
 //   s0, s1                                slots [0, s0) and [s1, N) are read exactly
 //   extra      [Hkv, X]          int64    more slots read exactly per KV head (the clusters'
 //                                         outliers, inside [s0, s1), ascending; X may be 0)
+//   extra_k, extra_v [Hkv, X, D]  float32  optional: those rows' keys and values, copied out of the
+//                                         cache in slot order (ClusterIndex.extra_k/extra_v); None:
+//                                         read from the cache by slot. Same values either way, but
+//                                         at 32K the ~2,000 outliers per head are scattered rows,
+//                                         each a page walk away, which the hardware prefetcher
+//                                         cannot follow (software hints stalled on the same walks):
+//                                         the copies took a synthetic 32K call from 0.83 to 0.66 ms.
 //   summ       [Hkv, C, 1+r, D]  float32  centroid, then sqrt(lambda) * eigenvector rows
 //   resid      [Hkv, C, D]       float32  residual diagonal variance
 //   log_counts [C]; radius [Hkv, C]; vmean [Hkv, C, D]; counts [C] int64 (members per cluster)
@@ -56,6 +63,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -528,7 +536,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
     const at::Tensor& extra, const at::Tensor& summ, const at::Tensor& resid, const at::Tensor& log_counts,
     const at::Tensor& radius, const at::Tensor& vmean, const at::Tensor& counts, int64_t M, const at::Tensor& kt,
     const at::Tensor& ks, const at::Tensor& vi, const at::Tensor& vs, const at::Tensor& taus, double scale,
-    int64_t probe_dims, int64_t probe_keys) {
+    int64_t probe_dims, int64_t probe_keys, const std::optional<at::Tensor>& extra_k,
+    const std::optional<at::Tensor>& extra_v) {
   TORCH_CHECK(q.dim() == 2 && k.dim() == 3 && v.dim() == 3, "scsa_decode: q [H, D], k/v [Hkv, N, D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "scsa_decode: q, k, v must be float32");
@@ -544,6 +553,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
   const int64_t* xp = extra.data_ptr<int64_t>();
   for (int64_t i = 0; i < Hkv * X; ++i)
     TORCH_CHECK(s0 <= xp[i] && xp[i] < s1, "scsa_decode: extra slots must lie in [s0, s1)");
+  TORCH_CHECK(extra_k.has_value() == extra_v.has_value(), "scsa_decode: extra_k and extra_v go together");
+  const float *xkp = nullptr, *xvp = nullptr;
+  if (extra_k.has_value()) {
+    for (const auto* t : {&*extra_k, &*extra_v})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->sizes() == at::IntArrayRef({Hkv, X, D}),
+                  "scsa_decode: extra_k/extra_v float32 [Hkv, X, D] contiguous");
+    xkp = extra_k->data_ptr<float>();
+    xvp = extra_v->data_ptr<float>();
+  }
   TORCH_CHECK(summ.dim() == 4 && summ.size(0) == Hkv && summ.size(3) == D && summ.size(1) >= M && M >= 0,
               "scsa_decode: summ [Hkv, C >= M, 1 + r, D]");
   const int64_t C = summ.size(1), R1 = summ.size(2);
@@ -643,6 +661,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
       const float* kh = kp + h * k_hs;
       const float* vh = vp + h * v_hs;
       for (int64_t e = 0; e < E; ++e) {
+        if (xkp != nullptr && e >= s0 && e < s0 + X) {  // the index's copy of this outlier row
+          rows[e] = xkp + (h * X + e - s0) * D;
+          vrows[e] = xvp + (h * X + e - s0) * D;
+          continue;
+        }
         const int64_t slot = e < s0 ? e : e < s0 + X ? xp[h * X + e - s0] : s1 + (e - s0 - X);
         rows[e] = kh + slot * D;
         vrows[e] = vh + slot * D;
@@ -840,7 +863,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
 TORCH_LIBRARY_FRAGMENT(longattn_cpu, m) {
   m.def("scsa_decode(Tensor q, Tensor k, Tensor v, int s0, int s1, Tensor extra, Tensor summ, "
         "Tensor resid, Tensor log_counts, Tensor radius, Tensor vmean, Tensor counts, int M, Tensor kt, Tensor ks, "
-        "Tensor vi, Tensor vs, Tensor taus, float scale, int probe_dims=0, int probe_keys=1) -> "
+        "Tensor vi, Tensor vs, Tensor taus, float scale, int probe_dims=0, int probe_keys=1, "
+        "Tensor? extra_k=None, Tensor? extra_v=None) -> "
         "(Tensor, Tensor, Tensor)");
 }
 
