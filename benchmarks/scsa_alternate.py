@@ -16,7 +16,9 @@ position, counted over every step after calibration (the 8 warm steps and the ti
 As a control, the calibration steps (exact attention through SCSA's own dense path, so only
 rounding differs from the dense arm) are counted the same way; ``--controls`` adds two arms that
 open every cluster (tau 0, no calibration): q8_0 packing (what the packing alone costs) and f32
-packing (rounding alone, on every step).
+packing (rounding alone, on every step). ``--outlier-slots`` adds, per SCSA arm, ``...+slots``:
+the same arm with the index's contiguous outlier copies withheld (ClusterIndex.extra_k/extra_v),
+so its native calls read the outliers from the cache by slot (the same bits, another read).
 
 The prefix cache of the longest context is built once (or loaded from ``--cache-file``, saved
 there after a build: a 32K prefill takes ~11 minutes here) and cut back for shorter contexts.
@@ -30,6 +32,7 @@ Writes benchmarks/results/scsa_alternate.json. Do not run beside tests or builds
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -47,6 +50,7 @@ from longattn.host import cpu_description  # noqa: E402
 from longattn.ops import native  # noqa: E402
 from longattn.policy import AttentionPolicy  # noqa: E402
 from longattn.sparse import SCSAConfig  # noqa: E402
+from longattn.sparse.index import ClusterIndex  # noqa: E402
 from longattn.sparse_policy import build_sparse_policy  # noqa: E402
 from longattn.static_decode import StaticDecoder  # noqa: E402
 from scsa_decode import load_model, truncate  # noqa: E402
@@ -76,6 +80,20 @@ def prefix_cache(model, cfg, ids, n, chunk, path):
     return cache
 
 
+def withhold_copies(slot_cfgs: set) -> None:
+    """Indexes built under a config whose id is in ``slot_cfgs`` keep no outlier copies, so their
+    native calls read the outliers from the cache by slot (``--outlier-slots``)."""
+    copy = ClusterIndex._copy_outliers
+
+    def patched(self, k, v, kept=0):
+        if id(self.cfg) in slot_cfgs:
+            self.extra_k = self.extra_v = None
+        else:
+            copy(self, k, v, kept)
+
+    ClusterIndex._copy_outliers = patched
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-0.5b")
@@ -102,6 +120,9 @@ def main():
     ap.add_argument("--probe-keys", type=int, default=SCSAConfig().probe_keys)
     ap.add_argument("--forms", choices=["both", "avx2", "avx512"], default="both",
                     help="native kernel forms to time (avx512 only where the CPU has it)")
+    ap.add_argument("--outlier-slots", action="store_true",
+                    help="per SCSA arm, an arm ...+slots whose native calls read the outliers from the cache "
+                         "by slot instead of the index's copies")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=1024)
     ap.add_argument("--cache-file", default=None, help="load/save the longest prefix cache here")
@@ -122,14 +143,21 @@ def main():
     arms = [(cs, tol, o, q, pr) for cs in args.cluster_sizes for tol in args.tolerances for o in args.outliers
             for q in args.calib_quantiles for pr in args.probes]
     sparse_arms = {}
+    slot_cfgs = set()  # ids of the configs of +slots arms (see withhold_copies)
+    withhold_copies(slot_cfgs)
     for cs, tol, o, q, pr in arms:
         name = "sparse" + (f"-{cs}" if len(args.cluster_sizes) > 1 else "") + \
             (f"@{tol:g}" if len(args.tolerances) > 1 else "") + (f"+out{o}" if len(args.outliers) > 1 else "") + \
             (f"~q{q:g}" if len(args.calib_quantiles) > 1 else "") + (f"+probe{pr}" if len(args.probes) > 1 else "")
         scsa = SCSAConfig(min_context=0, calib_steps=args.calib, tolerance=tol, calib_metric=args.metric,
                           calib_quantile=q, cluster_size=cs, outliers=o, probe_dims=pr, probe_keys=args.probe_keys)
-        sparse_arms[name] = tol
-        decs[name] = StaticDecoder(model, build_sparse_policy(ck.config, scsa), max_len=max_len, dynamic=True)
+        for slots in ([False, True] if args.outlier_slots else [False]):
+            arm = name + ("+slots" if slots else "")
+            sparse_arms[arm] = tol
+            cfg = dataclasses.replace(scsa)  # an arm's own config object: the +slots arm is told apart by it
+            if slots:
+                slot_cfgs.add(id(cfg))
+            decs[arm] = StaticDecoder(model, build_sparse_policy(ck.config, cfg), max_len=max_len, dynamic=True)
     if args.controls:  # tau 0, no calibration: every cluster opened, so no tail at all
         for name, packing in (("control-q8-all", "q8_0"), ("control-f32-all", "f32")):
             scsa = SCSAConfig(min_context=0, calib_steps=0, tau_default=0.0, packing=packing)
@@ -162,6 +190,9 @@ def main():
         top = {name: {} for name in decs}
         for name in decs:
             run(name, warm)  # SCSA calibrates here, then a few steps on the frozen taus
+            if decs[name].sparse is not None:  # the +slots arms, and only they, read by slot
+                assert all((ix.extra_k is None) == name.endswith("+slots")
+                           for sc in decs[name].sparse.layers.values() for ix in sc.indexes), name
         samples = {(a, f): [] for a in decs for f in forms}
         for _ in range(args.rounds):
             for f in forms:
@@ -213,7 +244,7 @@ def main():
     Path(args.out).write_text(json.dumps({
         "model": args.model, "weights": args.weights, "threads": args.threads, "rounds": args.rounds,
         "block": args.block, "tolerances": args.tolerances, "outliers": args.outliers, "metric": args.metric,
-        "probes": args.probes, "probe_keys": args.probe_keys,
+        "probes": args.probes, "probe_keys": args.probe_keys, "outlier_slots": args.outlier_slots,
         "calib_quantiles": args.calib_quantiles,
         "cpu": cpu_description(),
         "rows": rows}, indent=1))

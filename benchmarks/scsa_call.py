@@ -16,6 +16,8 @@ head_dim 64, float32; sparse.synthetic):
     may hold a 32K head's 33.5 MB, a model step's whole cache it does not).
 Fixed thresholds (no calibration) so every arm reads the same thing each call. ``--outliers``
 adds native arms ``...+outK`` (SCSAConfig.outliers = K: each cluster's K farthest keys read exactly).
+``--outlier-slots`` adds, per native arm, ``...+slots``: the same layer with the index's contiguous
+outlier copies withheld, so the call reads the outliers from the cache by slot (the same bits).
 
     python benchmarks/scsa_call.py --threads 2 [--sizes 4096 32768] [--taus 0.02 0.16] [--copies 12]
 
@@ -63,6 +65,9 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--outliers", nargs="+", type=int, default=[SCSAConfig().outliers],
                     help="native SCSA arms per SCSAConfig.outliers value (the PyTorch arm: none)")
+    ap.add_argument("--outlier-slots", action="store_true",
+                    help="native arms ...+slots that read the outliers from the cache by slot, not the "
+                         "index's copies (ClusterIndex.extra_k/extra_v)")
     ap.add_argument("--out", default=str(RESULTS / "scsa_call.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -85,13 +90,16 @@ def main():
         natives = {"scsa-native-avx2": False, "scsa-native-avx512": True} if wide else {"scsa-native": None}
         tag = (lambda o: f"+out{o}") if len(args.outliers) > 1 else (lambda o: "")  # noqa: E731
         for tau in args.taus:
-            for arm, nat, o in [(a + tag(o), True, o) for a in natives for o in args.outliers] + \
+            reads = ["", "+slots"] if args.outlier_slots else [""]
+            for arm, nat, o in [(a + tag(o) + r, True, o) for a in natives for o in args.outliers for r in reads] + \
                     [("scsa-torch", False, 0)]:
                 per_copy = []
                 for k, v in bufs:
                     layer = SCSALayer(SCSAConfig(min_context=0, calib_steps=0, tau_default=tau, native=nat,
                                                  outliers=o), H, HKV, D)
                     layer.attend(qs[0], k, v, scale)  # builds the index, untimed
+                    if arm.endswith("+slots"):  # fixed n: no rebuild brings the copies back
+                        layer.indexes[0].extra_k = layer.indexes[0].extra_v = None
                     per_copy.append(layer)
                 layers[(arm, tau)] = per_copy
                 form[f"{arm}@{tau}"] = natives.get(arm.split("+")[0])
@@ -127,7 +135,7 @@ def main():
         print("   opened " + "  ".join(f"{a}: {100 * f:.1f}%" for a, f in opened.items()), flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"threads": args.threads, "cpu": cpu_description(), "shape": [H, HKV, D],
-                                          "calls": args.calls, "copies": args.copies, "outliers": args.outliers,
+                                          "calls": args.calls, "copies": args.copies, "outliers": args.outliers, "outlier_slots": args.outlier_slots,
                                           "repeats": args.repeats, "rows": rows}, indent=1))
     print(f"wrote {args.out}")
 
