@@ -6,7 +6,8 @@ static decoders (dense, and SCSA on every layer) start from the same prefix cach
 turns: ``--rounds`` rounds of ``--block`` steps each. ``--cluster-sizes``, ``--tolerances``,
 ``--outliers`` and ``--probes`` (SCSAConfig.probe_dims) add one SCSA arm per value (their product); where the CPU has AVX-512 VNNI each
 round runs once with the kernels' AVX2 forms and once with their AVX-512 forms (native.avx512;
-``--forms`` picks one), so the forms are compared in the same way. Every arm first takes ``--calib`` + 8
+``--forms`` picks one; ``--forms auto`` leaves each kernel its automatic form, which on AMD keeps
+the dense attention's AVX2 loops), so the forms are compared in the same way. Every arm first takes ``--calib`` + 8
 untimed steps (SCSA calibrates there, fresh index per context), so all arms then decode the
 same positions.
 
@@ -118,8 +119,10 @@ def main():
     ap.add_argument("--probes", nargs="+", type=int, default=[SCSAConfig().probe_dims],
                     help="SCSAConfig.probe_dims per arm (0 = no probe)")
     ap.add_argument("--probe-keys", type=int, default=SCSAConfig().probe_keys)
-    ap.add_argument("--forms", choices=["both", "avx2", "avx512"], default="both",
-                    help="native kernel forms to time (avx512 only where the CPU has it)")
+    ap.add_argument("--forms", nargs="+", choices=["both", "avx2", "avx512", "auto"], default=["both"],
+                    help="native kernel forms to time, each a setting of every arm's rounds (avx512 only where "
+                         "the CPU has it; both = avx2 avx512; auto: each kernel's automatic form, "
+                         "native.avx512(None))")
     ap.add_argument("--outlier-slots", action="store_true",
                     help="per SCSA arm, an arm ...+slots whose native calls read the outliers from the cache "
                          "by slot instead of the index's copies")
@@ -130,12 +133,15 @@ def main():
     args = ap.parse_args()
     ck, model, ids = load_model(args)
     contexts = sorted(args.contexts, reverse=True)  # the cache is cut back from the longest
-    forms = [False, True] if native.avx512(None) else [False]
-    if args.forms != "both":
-        want = args.forms == "avx512"
-        if want not in forms:
-            sys.exit("scsa_alternate: this CPU has no AVX-512 VNNI form; use --forms avx2 or both")
-        forms = [want]
+    has_wide = native.avx512(None)
+    names = [f for name in args.forms for f in (["avx2", "avx512"] if name == "both" else [name])]
+    if "avx512" in names and not has_wide:
+        if args.forms == ["both"]:
+            names = ["avx2"]
+        else:
+            sys.exit("scsa_alternate: this CPU has no AVX-512 VNNI form; use --forms avx2, auto or both")
+    # native.avx512 settings: False / True force a form on every kernel, None leaves each its own
+    forms = list(dict.fromkeys({"avx2": False, "avx512": True, "auto": None}[n] for n in names))
     warm = args.calib + 8
     steps = warm + args.rounds * len(forms) * args.block
     max_len = contexts[0] + steps + 1
@@ -231,7 +237,7 @@ def main():
                                            and sc.cost_ratio is not None and sc.cost_ratio > 1.0)}
             msg = f"L={L:>6} {arm}"
             for f in forms:
-                tag = "avx512" if f else "avx2"
+                tag = "auto" if f is None else "avx512" if f else "avx2"
                 d, s = statistics.median(samples[("dense", f)]), statistics.median(samples[(arm, f)])
                 row[tag] = {"dense_ms": 1e3 * d, "sparse_ms": 1e3 * s, "speedup": d / s}
                 msg += f" | {tag}: dense {1e3 * d:6.1f} ms SCSA {1e3 * s:6.1f} ms  {d / s:4.2f}x"
@@ -247,6 +253,8 @@ def main():
         "probes": args.probes, "probe_keys": args.probe_keys, "outlier_slots": args.outlier_slots,
         "calib_quantiles": args.calib_quantiles,
         "cpu": cpu_description(),
+        # the dense attention's loops under --forms auto (AVX2 on AMD, see native.avx512)
+        "auto_dense_attention_form": "avx512" if native.dense_attention_avx512() else "avx2",
         "rows": rows}, indent=1))
     print(f"wrote {args.out}")
 

@@ -7,8 +7,8 @@ head_dim 64, float32; sparse.synthetic):
     its opened-cluster phase, bit-identical outputs; native.avx512);
   * scsa-torch:  the same layer on the PyTorch ops (native=False), same decisions;
   * fused-dense: longattn's fused C++ dense decode kernel over every row (the eager
-    Session's and the static step's dense read); where the CPU has AVX-512, also
-    fused-dense-avx2 (its AVX2 row loops, the same bits);
+    Session's and the static step's dense read) in its automatic form; where the CPU has
+    AVX-512, also fused-dense-avx2 and fused-dense-avx512 (each row loop forced, the same bits);
   * sdpa-dense:  torch's scaled_dot_product_attention over every row;
   * read-floor:  torch.sum over K and over V: every byte the dense call reads, read once with
     next to no arithmetic, so fused-dense ÷ read-floor says how far the dense kernel is from
@@ -107,10 +107,10 @@ def main():
                 for (arm, tau), per_copy in layers.items()}
         fused = lambda i: torch.ops.longattn_cpu.decode_attention(  # noqa: E731
             qs[i], *kv(i), k_pos, q_pos, none, none, 0, 0, scale)
-        arms["fused-dense"] = fused  # the CPU's best form
-        if wide:
-            arms["fused-dense-avx2"] = fused
-            form["fused-dense-avx2"] = False
+        arms["fused-dense"] = fused  # the automatic form (native.dense_attention_avx512)
+        if wide:  # each form forced
+            arms["fused-dense-avx2"], form["fused-dense-avx2"] = fused, False
+            arms["fused-dense-avx512"], form["fused-dense-avx512"] = fused, True
         arms["read-floor"] = lambda i: [t.sum() for t in kv(i)]
         arms["sdpa-dense"] = lambda i: F.scaled_dot_product_attention(qs[i], *kv(i), scale=scale, enable_gqa=True)
         samples = {a: [] for a in arms}

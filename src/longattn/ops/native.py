@@ -85,9 +85,12 @@ def available() -> bool:
 
 def avx512(want: bool | None = None) -> bool:
     """Which form the kernels that have two take (SCSA's opened-row phase, the dense fused
-    decode attention's row loops, int4_gemv's row dots): ``want`` None = the CPU's best
-    (AVX-512 F/BW/VL/DQ/VNNI where present, else AVX2), True / False to force one (True raises
-    RuntimeError on a CPU without AVX-512). Returns True when the AVX-512 forms are in use.
+    decode attention's row loops, int4_gemv's row dots): ``want`` None = automatic, True /
+    False to force one for all three (True raises RuntimeError on a CPU without AVX-512).
+    Automatic: SCSA and the int4 GEMV take their AVX-512 forms where the CPU has AVX-512
+    F/BW/VL/DQ/VNNI; the dense attention takes its AVX-512 loops there too except on AMD CPUs,
+    where Zen 4 ran them slower than the AVX2 loops (``dense_attention_avx512`` says which is
+    in use). Returns True when SCSA's and the GEMV's AVX-512 forms are in use.
     SCSA's and the dense attention's two forms give bit-identical outputs; the int4 GEMV's
     differ in the last bits (other float lanes), both within the bound the tests derive.
     The switch exists for tests and benchmarks."""
@@ -95,3 +98,9 @@ def avx512(want: bool | None = None) -> bool:
         return False
     code = -1 if want is None else int(bool(want))
     return bool(torch.ops.longattn_cpu.avx512(code))
+
+
+def dense_attention_avx512() -> bool:
+    """True when the dense fused decode attention takes its AVX-512 loops in the current mode
+    (see ``avx512``)."""
+    return available() and bool(torch.ops.longattn_cpu.avx512_dense_attention())

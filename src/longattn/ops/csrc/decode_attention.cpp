@@ -22,7 +22,8 @@
 // sequence, so one KV head still uses every core); each item keeps its own running max,
 // normaliser and numerator, merged exactly at the end with the own key.
 //
-// Where the CPU has AVX-512 (longattn::use_avx512) and D % 16 == 0, the score and numerator
+// Where the CPU has AVX-512 (longattn::use_avx512_dense_attention: not on AMD Zen 4, where the
+// wide loops lost, see cpu_features.h) and D % 16 == 0, the score and numerator
 // loops take a wide form with the same bits (below). The AVX2 loops re-load every key and value
 // row once per query head and read at about half the session-10 host's rate (8.9 of 17.9 GB/s
 // from DRAM, 16 of 42 from L3, one 32K Qwen layer); the wide loops cut those loads and gain
@@ -182,7 +183,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   // partial[item][g] = (max, normaliser, numerator[D])
   std::vector<float> part(heads * chunks * G * (D + 2));
   // the AVX-512 loops (same bits) where the CPU has them and rows are whole 512-bit vectors
-  const bool wide = longattn::use_avx512() && D % 16 == 0;
+  const bool wide = longattn::use_avx512_dense_attention() && D % 16 == 0;
   const HeadPasses passes(G);
 
   at::parallel_for(0, heads * chunks, 1, [&](int64_t i0, int64_t i1) {
