@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import sys
 import time
@@ -46,7 +45,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from longattn.cache import KVCache  # noqa: E402
 from longattn.host import cpu_description  # noqa: E402
 from longattn.ops import native  # noqa: E402
 from longattn.policy import AttentionPolicy  # noqa: E402
@@ -54,31 +52,9 @@ from longattn.sparse import SCSAConfig  # noqa: E402
 from longattn.sparse.index import ClusterIndex  # noqa: E402
 from longattn.sparse_policy import build_sparse_policy  # noqa: E402
 from longattn.static_decode import StaticDecoder  # noqa: E402
-from scsa_decode import load_model, truncate  # noqa: E402
+from scsa_decode import load_model, prefix_cache, truncate  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def prefix_cache(model, cfg, ids, n, chunk, path):
-    """The n-token prefix cache: loaded from ``path`` when it holds one at least that long."""
-    if path and os.path.exists(path):
-        cache = torch.load(path, weights_only=False)
-        have = int(cache.next_pos.max())
-        if have >= n:
-            truncate(cache, n)
-            return cache
-        print(f"{path} holds {have} tokens, fewer than {n}: prefilling", file=sys.stderr)
-    cache = KVCache(cfg, 1)
-    policy = AttentionPolicy.from_config(cfg)
-    for s in range(0, n, chunk):
-        model(torch.tensor([ids[s:min(n, s + chunk)]]), cache=cache, policy=policy, logits="none")
-        print(f"\rprefill {min(n, s + chunk)}/{n}", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
-    if path:
-        tmp = f"{path}.tmp"
-        torch.save(cache, tmp)
-        os.replace(tmp, path)
-    return cache
 
 
 def withhold_copies(slot_cfgs: set) -> None:

@@ -6,6 +6,8 @@ For each context length L (nested: one prefill grows the cache from length to le
     the dense arm's tokens: 32 calibration steps, then 96 timed steps; per-step greedy
     agreement = argmax(sparse logits) == dense token.
 Then a sustained row at the longest L (--sustained steps, crossing a maintenance boundary).
+With ``--cache-file`` the longest prefix is loaded (or prefilled once and saved there) and cut
+back for each shorter L, longest first, the sustained row right after the longest.
 The eager dense arm reads its cache with the fused C++ decode kernel (as the library's
 Session does where the kernel is built); ``--static-dense`` adds the compiled static-shape
 dense step (StaticDecoder, one dynamic-length graph) on the same cache and tokens, the
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -57,6 +60,31 @@ def truncate(cache: KVCache, n: int) -> None:
     for layer in cache.layers:
         layer.truncate(n)
     cache.next_pos = torch.full_like(cache.next_pos, n)
+
+
+def prefix_cache(model, cfg, ids, n, chunk, path):
+    """The n-token prefix cache of the book's ``ids``: loaded from ``path`` when it holds one at
+    least that long (cut back to n), else prefilled in ``chunk``-token pieces and, with a
+    ``path``, saved there (written aside and renamed, so a killed run leaves no half file).
+    The file must come from the same model and weight format."""
+    if path and os.path.exists(path):
+        cache = torch.load(path, weights_only=False)
+        have = int(cache.next_pos.max())
+        if have >= n:
+            truncate(cache, n)
+            return cache
+        print(f"{path} holds {have} tokens, fewer than {n}: prefilling", file=sys.stderr)
+    cache = KVCache(cfg, 1)
+    policy = AttentionPolicy.from_config(cfg)
+    for s in range(0, n, chunk):
+        model(torch.tensor([ids[s:min(n, s + chunk)]]), cache=cache, policy=policy, logits="none")
+        print(f"\rprefill {min(n, s + chunk)}/{n}", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    if path:
+        tmp = f"{path}.tmp"
+        torch.save(cache, tmp)
+        os.replace(tmp, path)
+    return cache
 
 
 def run_dense(model, cache, policy, first_tok, steps):
@@ -130,6 +158,10 @@ def main():
                     help="also run SCSA inside the compiled static step (one dynamic graph, compiled once)")
     ap.add_argument("--skip-eager-sparse", action="store_true",
                     help="leave out the eager SCSA arm (with --static-sparse)")
+    ap.add_argument("--cache-file", default=None,
+                    help="load the longest context's prefix cache from here (same --model and --weights; "
+                         "saved there after a prefill); contexts then run longest first, the sustained row "
+                         "right after the longest")
     ap.add_argument("--out", default=str(RESULTS / "scsa_decode.json"))
     args = ap.parse_args()
     ck, model, ids = load_model(args)
@@ -187,23 +219,35 @@ def main():
 
     rows, filled = [], 0
     prefill_s = 0.0
-    for L in sorted(args.contexts):
+    sustained = None
+    if args.cache_file:  # one prefix for all: longest first, then cut back context by context
         t0 = time.perf_counter()
-        while filled < L:  # grow the shared prefix cache to L tokens
-            e = min(L, filled + args.chunk)
-            model(torch.tensor([ids[filled:e]]), cache=cache, policy=dense_pol, logits="none")
-            filled = e
-            print(f"\rprefill {filled}/{L}", end="", file=sys.stderr, flush=True)
-        prefill_s += time.perf_counter() - t0
-        print(file=sys.stderr)
-        rows.append(arms_at(L, steps))
-    # the longest context again for --sustained steps (crossing index maintenance passes)
-    sustained = arms_at(max(args.contexts), args.calib + args.sustained) if args.sustained else None
+        cache = prefix_cache(model, ck.config, ids, max(args.contexts), args.chunk, args.cache_file)
+        prefill_s = time.perf_counter() - t0
+        for L in sorted(args.contexts, reverse=True):
+            truncate(cache, L)
+            rows.insert(0, arms_at(L, steps))
+            if L == max(args.contexts) and args.sustained:
+                sustained = arms_at(L, args.calib + args.sustained)
+    else:
+        for L in sorted(args.contexts):
+            t0 = time.perf_counter()
+            while filled < L:  # grow the shared prefix cache to L tokens
+                e = min(L, filled + args.chunk)
+                model(torch.tensor([ids[filled:e]]), cache=cache, policy=dense_pol, logits="none")
+                filled = e
+                print(f"\rprefill {filled}/{L}", end="", file=sys.stderr, flush=True)
+            prefill_s += time.perf_counter() - t0
+            print(file=sys.stderr)
+            rows.append(arms_at(L, steps))
+        # the longest context again for --sustained steps (crossing index maintenance passes)
+        sustained = arms_at(max(args.contexts), args.calib + args.sustained) if args.sustained else None
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = {"model": args.model, "weights": args.weights, "threads": args.threads, "packing": args.packing,
            "dense_read": "fused" if native.available() else "matmul", "scsa_kernel":
                ("native-avx512" if native.avx512() else "native-avx2") if native.available() else "torch",
-           "tolerance": args.tolerance, "metric": args.metric, "cpu": cpu_description(), "rows": rows, "sustained": sustained, "prefill_seconds": prefill_s}
+           "tolerance": args.tolerance, "metric": args.metric, "cpu": cpu_description(), "rows": rows, "sustained": sustained, "prefill_seconds": prefill_s,
+           "prefix_from_file": bool(args.cache_file), "dense_attention_form": "avx512" if native.dense_attention_avx512() else "avx2"}
     Path(args.out).write_text(json.dumps(out, indent=1))
     try:
         import matplotlib
