@@ -62,6 +62,15 @@ def truncate(cache: KVCache, n: int) -> None:
     cache.next_pos = torch.full_like(cache.next_pos, n)
 
 
+def extend_prefix(model, cache, policy, ids, start, n, chunk):
+    """Prefill the book's tokens ``ids[start:n]`` into ``cache`` (holding ``start`` of them) in
+    ``chunk``-token pieces, with progress on stderr."""
+    for s in range(start, n, chunk):
+        model(torch.tensor([ids[s:min(n, s + chunk)]]), cache=cache, policy=policy, logits="none")
+        print(f"\rprefill {min(n, s + chunk)}/{n}", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+
+
 def prefix_cache(model, cfg, ids, n, chunk, path):
     """The n-token prefix cache of the book's ``ids``: loaded from ``path`` when it holds one at
     least that long (cut back to n), else prefilled in ``chunk``-token pieces and, with a
@@ -75,11 +84,7 @@ def prefix_cache(model, cfg, ids, n, chunk, path):
             return cache
         print(f"{path} holds {have} tokens, fewer than {n}: prefilling", file=sys.stderr)
     cache = KVCache(cfg, 1)
-    policy = AttentionPolicy.from_config(cfg)
-    for s in range(0, n, chunk):
-        model(torch.tensor([ids[s:min(n, s + chunk)]]), cache=cache, policy=policy, logits="none")
-        print(f"\rprefill {min(n, s + chunk)}/{n}", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
+    extend_prefix(model, cache, AttentionPolicy.from_config(cfg), ids, 0, n, chunk)
     if path:
         tmp = f"{path}.tmp"
         torch.save(cache, tmp)
@@ -166,7 +171,6 @@ def main():
     args = ap.parse_args()
     ck, model, ids = load_model(args)
     dense_pol = AttentionPolicy.from_config(ck.config)
-    cache = KVCache(ck.config, 1)
     steps = args.calib + args.timed
     dec = None
     if args.static_dense:
@@ -217,9 +221,7 @@ def main():
         print(msg, flush=True)
         return row
 
-    rows, filled = [], 0
-    prefill_s = 0.0
-    sustained = None
+    rows, prefill_s, sustained = [], 0.0, None
     if args.cache_file:  # one prefix for all: longest first, then cut back context by context
         t0 = time.perf_counter()
         cache = prefix_cache(model, ck.config, ids, max(args.contexts), args.chunk, args.cache_file)
@@ -230,15 +232,12 @@ def main():
             if L == max(args.contexts) and args.sustained:
                 sustained = arms_at(L, args.calib + args.sustained)
     else:
+        cache, filled = KVCache(ck.config, 1), 0
         for L in sorted(args.contexts):
             t0 = time.perf_counter()
-            while filled < L:  # grow the shared prefix cache to L tokens
-                e = min(L, filled + args.chunk)
-                model(torch.tensor([ids[filled:e]]), cache=cache, policy=dense_pol, logits="none")
-                filled = e
-                print(f"\rprefill {filled}/{L}", end="", file=sys.stderr, flush=True)
+            extend_prefix(model, cache, dense_pol, ids, filled, L, args.chunk)  # the shared prefix grows to L
+            filled = L
             prefill_s += time.perf_counter() - t0
-            print(file=sys.stderr)
             rows.append(arms_at(L, steps))
         # the longest context again for --sustained steps (crossing index maintenance passes)
         sustained = arms_at(max(args.contexts), args.calib + args.sustained) if args.sustained else None
