@@ -13,7 +13,8 @@ import torch
 
 from longattn.ops import native
 from longattn.sparse import SCSALayer
-from sparse_fixtures import attn_case, one_thread, small_cfg  # noqa: F401
+from longattn.sparse import layer as layer_mod
+from sparse_fixtures import attn_case, decode_run, one_thread, small_cfg  # noqa: F401
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="needs the AVX2 kernels (x86)")
 
@@ -115,18 +116,59 @@ def test_threads_split_the_opened_clusters(threads):
 
 def test_native_path_runs_and_partial_selection(monkeypatch):
     calls = []
-    real = SCSALayer._native_row
+    real = layer_mod._native_call
 
-    def spy(self, *a, **kw):
+    def spy(*a):
         calls.append(1)
-        return real(self, *a, **kw)
+        return real(*a)
 
-    monkeypatch.setattr(SCSALayer, "_native_row", spy)
+    monkeypatch.setattr(layer_mod, "_native_call", spy)
     layer = check_case(14, 2, 64, 1200, 0.05, seed=4, cluster_size=16)
     assert len(calls) == 2
     M = layer.indexes[0].num_clusters
     opened = layer.counters["opened_rows"]
     assert 0 < opened < 2 * 2 * M * 16  # some clusters opened, not all
+
+
+def test_decode_loop_shortcut_equals_the_general_path(monkeypatch):
+    """SCSALayer._hot_call, the decode loop's step once a single-row call went native, against
+    the general path on every step: a cache growing across rebuilds, a step at another scale, a
+    bfloat16 query, another sequence of the same length, new taus. Outputs bit for bit, counters,
+    accounting and indexes alike, and the shortcut taken where nothing changed (and only there)."""
+    H, HKV, D, start, steps = 14, 2, 64, 900, 150  # rebuilds every 64 tokens: two or three of them
+    run = decode_run(start, steps, H, HKV, D, seed=6, query_seed=7)
+    other = decode_run(start, steps, H, HKV, D, seed=8, query_seed=9)
+    scale = D ** -0.5
+    fast, slow = (SCSALayer(small_cfg(tau_default=0.05, cluster_size=16, outliers=3), H, HKV, D) for _ in range(2))
+    taken = []
+    real = SCSALayer._hot_call
+
+    def hot_call(self, *a):
+        if self is slow:
+            return None
+        out = real(self, *a)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(SCSALayer, "_hot_call", hot_call)
+    script = [(q, k, v, scale) for q, k, v in run[:60]] + [(run[60][0], run[60][1], run[60][2], scale * 0.5)]
+    script += [(q, k, v, scale) for q, k, v in run[61:100]] + [(run[100][0].bfloat16(), run[100][1], run[100][2], scale)]
+    script += [(q, k, v, scale) for q, k, v in run[101:120]] + [other[119]] + [(q, k, v, scale) for q, k, v in run[120:]]
+    script = [s if len(s) == 4 else (*s, scale) for s in script]
+    for i, (q, k, v, sc) in enumerate(script):
+        if i == 130:
+            for layer in (fast, slow):
+                layer.set_taus([0.02, 0.1])
+        a, b = fast.attend(q, k, v, sc), slow.attend(q, k, v, sc)
+        assert torch.equal(a, b) and a.dtype == q.dtype, i
+        assert fast.counters == slow.counters, i
+        (x,), (y,) = fast.debug_accounting(), slow.debug_accounting()
+        assert all(torch.equal(x[key], y[key]) for key in x), i
+    assert torch.equal(fast.indexes[0].summ, slow.indexes[0].summ)
+    assert fast.counters["rebuilds"] >= 3 and sum(taken) > 100
+    # not taken: after a rebuild, the other scale, the bfloat16 query, the other sequence (and
+    # the step back to the first one), after new taus
+    assert len(taken) - sum(taken) >= 7
 
 
 def test_strided_cache_rows_and_batch_rows():
@@ -179,6 +221,14 @@ def test_kernel_rejects_bad_inputs():
     for shape in ((2, X + 1, 32), (2, X, 16)):
         with pytest.raises(RuntimeError, match=r"extra_k/extra_v float32 \[Hkv, X, D\]"):
             torch.ops.longattn_cpu.scsa_decode(*args[:21], torch.zeros(shape), torch.zeros(shape))
+    # one row's 4-D tensors as the model holds them give the 3-D call's output, shaped [1, H, 1, D]
+    four = torch.ops.longattn_cpu.scsa_decode(qs[0], k, v, *args[3:])
+    three = torch.ops.longattn_cpu.scsa_decode(*args)
+    assert four[0].shape == (1, 4, 1, 32) and torch.equal(four[0][0, :, 0], three[0])
+    assert torch.equal(four[1], three[1]) and int(four[2]) == int(three[2])
+    for q4, k4 in ((qs[0].expand(2, -1, -1, -1), k), (qs[0], k.expand(2, -1, -1, -1))):
+        with pytest.raises(RuntimeError, match=r"a 4-D call is one row"):
+            torch.ops.longattn_cpu.scsa_decode(q4, k4, k4, *args[3:])
 
 
 

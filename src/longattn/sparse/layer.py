@@ -30,6 +30,12 @@ from .kernel import (NEG_INF, Selection, cluster_scores, mask_to_ids, merged_out
 from .serial import serial_row
 
 MAX_HEAD_DIM = 512
+
+
+def _native_call(*args):
+    """``longattn_cpu::scsa_decode`` (ops/csrc/scsa_decode.cpp): the one place both native paths
+    call it (``SCSALayer._native_row`` and the decode loop's ``_hot_call``)."""
+    return torch.ops.longattn_cpu.scsa_decode.default(*args)
 PAD_WASTE = 1.3  # read padded batches only while they cost at most this much more than needed
 # outlier_rows: the part of exact_rows that are clusters' outliers (SCSAConfig.outliers)
 COUNTER_NAMES = ("rebuilds", "opened_rows", "exact_rows", "outlier_rows", "clusters_scored", "calls")
@@ -72,6 +78,10 @@ class SCSALayer:
         self.cost_ratio: float | None = None
         self.indexes: list[ClusterIndex] = []
         self._last: list[tuple] = []
+        # the decode loop's shortcut (see _hot_call): the single row's index, once a calibrated
+        # call of one row took the native kernel; dropped whenever taus or indexes change
+        self._hot: tuple | None = None
+        self._hot_tail: tuple | None = None  # the last native row's arguments after the row itself
 
     # --- public --------------------------------------------------------------------------
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -84,6 +94,11 @@ class SCSALayer:
         Returns:
             ``[B, H, 1, D]`` in q's dtype.
         """
+        if self._hot is not None:
+            out = self._hot_call(self._hot, q, k, v, scale)
+            if out is not None:
+                return out
+            self._hot = None  # the general path may rebuild or replan: set again below if it fits
         self._check(q, k, v)
         B, H, _, D = q.shape
         N = k.shape[2]
@@ -105,7 +120,14 @@ class SCSALayer:
         if not self.calibrated:
             return self._calibration_call(q, k, v, scale)
         if B == 1:  # the decode loop's case: no per-row list, stack or cast beyond what is needed
-            out = self._row(0, q[0, :, 0], k[0], v[0], scale, self.taus).view(1, H, 1, D)
+            k0, v0 = k[0], v[0]
+            self._hot_tail = None
+            out = self._row(0, q[0, :, 0], k0, v0, scale, self.taus).view(1, H, 1, D)
+            index = self.indexes[0]
+            if self._hot_tail is not None and q.dtype == torch.float32 and index._fingerprint is not None:
+                # the row went native at the layer's taus: the next steps may take the shortcut
+                s0, s1 = index.exact_slots(N)
+                self._hot = (index, s0, s1, self._hot_tail, scale, q.shape, (D, 1), index._fingerprint.unsqueeze(0))
         else:
             rows = [self._row(b, q[b, :, 0], k[b], v[b], scale, self.taus) for b in range(B)]
             out = torch.stack(rows).view(B, H, 1, D)
@@ -129,6 +151,7 @@ class SCSALayer:
         if t.numel() != self.num_kv_heads or not bool(((t >= 0) & (t <= 1)).all()):
             raise LongattnError(f"set_taus: need {self.num_kv_heads} values in [0, 1] (or None: exact), "
                                 f"got {taus}")
+        self._hot = None
         self.taus = t  # float32, contiguous: the native call takes it as it is
         self.exact_heads = torch.tensor(exact, dtype=torch.bool)
         self.calibrated = True
@@ -199,6 +222,7 @@ class SCSALayer:
         """Forget every index (a new sequence); taus and counters are kept."""
         self.indexes = []
         self._last = []
+        self._hot = None
 
     def debug_accounting(self) -> list[dict]:
         """How every cached key contributed to the last sparse call, per batch row.
@@ -212,6 +236,37 @@ class SCSALayer:
         return [_accounting(*entry) for entry in self._last]
 
     # --- internals -----------------------------------------------------------------------
+    def _hot_call(self, hot: tuple, q, k, v, scale):
+        """The decode loop's step after a native single-row call: what the general path does
+        when its index has nothing to build (the same native row, counters and accounting),
+        with the checks cut to what can change between two steps: shapes, dtypes, row strides,
+        the scale, the cache's length (no rebuild due, not below the sealed region, not below
+        ``min_context``) and its last sealed keys (another sequence). ``None``: anything else,
+        which the general path then handles (and checks) in full. ``hot`` is what
+        ``_native_row`` passed the kernel beyond the row itself, kept while the index and the
+        taus stay as they are (see ``_hot``). The general path spent ~50 us of Python a layer
+        call around the kernel, ~1.2 ms of a 24-layer step."""
+        index, s0, s1, tail, scale0, q_shape, row_strides, fingerprint = hot
+        if q.shape != q_shape or k.shape != v.shape or k.shape[:2] != (1, self.num_kv_heads) \
+                or k.shape[3] != q_shape[3] or k.dtype != torch.float32 or v.dtype != torch.float32 \
+                or q.dtype != torch.float32 or k.stride()[2:] != row_strides or v.stride()[2:] != row_strides \
+                or scale != scale0:
+            return None
+        n = k.shape[2]
+        if n < self.cfg.min_context or n < s1 or index.target_seal_end(n) > s1 \
+                or not torch.equal(k.select(2, s1 - 1), fingerprint):  # another sequence: replan
+            return None
+        out, opened, opened_rows = _native_call(q, k, v, s0, s1, *tail)  # 4-D in, [1, H, 1, D] out
+        hkv, X, M = self.num_kv_heads, index.extra_slots.shape[1], index.num_clusters
+        counters = self.counters
+        counters["calls"] += 1
+        counters["exact_rows"] += hkv * (s0 + X + n - s1)
+        counters["outlier_rows"] += hkv * X
+        counters["opened_rows"] += int(opened_rows)
+        counters["clusters_scored"] += hkv * M
+        self._last = [(index, Selection(opened, None, None, hkv * M), n)]
+        return out
+
     def _check(self, q, k, v) -> None:
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
             raise LongattnError("SCSALayer.attend: q, k, v must be 4-D [B, heads, time, head_dim]")
@@ -401,11 +456,11 @@ class SCSALayer:
         ``[s1, N)`` exact): output ``[Hkv, g, D]``, the flat selection (the same decisions as
         ``select_flat``, read in one native pass) and the member rows opened (all KV heads)."""
         st, M = index.store, index.num_clusters
-        out, opened, rows = torch.ops.longattn_cpu.scsa_decode(
-            q_row.float(), k_row, v_row, s0, s1, index.extra_slots, index.summ, index.resid, index.log_counts,
-            index.radius, index.vmean, index.counts, M, st.kt, st.ks, st.vi, st.vs,
-            taus if taus is self.taus else taus.float().contiguous(), float(scale),
-            self.cfg.probe_dims, self.cfg.probe_keys, index.extra_k, index.extra_v)
+        tail = (index.extra_slots, index.summ, index.resid, index.log_counts, index.radius, index.vmean,
+                index.counts, M, st.kt, st.ks, st.vi, st.vs, taus if taus is self.taus else taus.float().contiguous(),
+                float(scale), self.cfg.probe_dims, self.cfg.probe_keys, index.extra_k, index.extra_v)
+        out, opened, rows = _native_call(q_row.float(), k_row, v_row, s0, s1, *tail)
+        self._hot_tail = tail
         sel = Selection(opened, None, None, self.num_kv_heads * M)  # flat: tails = ~opened (see _accounting)
         return out.view(self.num_kv_heads, self.group, self.head_dim), sel, int(rows)
 

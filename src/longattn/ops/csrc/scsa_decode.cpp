@@ -5,6 +5,8 @@
 //
 //   q          [H, D]            float32  the row's decode queries (H = Hkv * G)
 //   k, v       [Hkv, N, D]       float32  the row's whole cache (rows contiguous, any head stride)
+//                                         (or, for one row, q [1, H, 1, D] and k, v [1, Hkv, N, D]:
+//                                         out is then [1, H, 1, D])
 //   s0, s1                                slots [0, s0) and [s1, N) are read exactly
 //   extra      [Hkv, X]          int64    more slots read exactly per KV head (the clusters'
 //                                         outliers, inside [s0, s1), ascending; X may be 0)
@@ -554,13 +556,23 @@ inline void fit(std::vector<T>& v, int64_t n) {
   if (static_cast<int64_t>(v.size()) < n) v.resize(n);
 }
 
+// One row as the header describes, or a single-row decode call's tensors as the model holds
+// them, q [1, H, 1, D] and k, v [1, Hkv, N, D] (out then [1, H, 1, D]): taking those views here
+// rather than in Python saved the decode loop ~10 us of a layer call (SCSALayer._hot_call).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t s0, int64_t s1,
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, int64_t s0, int64_t s1,
     const at::Tensor& extra, const at::Tensor& summ, const at::Tensor& resid, const at::Tensor& log_counts,
     const at::Tensor& radius, const at::Tensor& vmean, const at::Tensor& counts, int64_t M, const at::Tensor& kt,
     const at::Tensor& ks, const at::Tensor& vi, const at::Tensor& vs, const at::Tensor& taus, double scale,
     int64_t probe_dims, int64_t probe_keys, const std::optional<at::Tensor>& extra_k,
     const std::optional<at::Tensor>& extra_v) {
+  const bool four = q_in.dim() == 4;
+  TORCH_CHECK(!four || (q_in.size(0) == 1 && q_in.size(2) == 1 && k_in.dim() == 4 && v_in.dim() == 4 &&
+                        k_in.size(0) == 1 && v_in.size(0) == 1),
+              "scsa_decode: a 4-D call is one row: q [1, H, 1, D], k/v [1, Hkv, N, D]");
+  const at::Tensor q = four ? q_in.select(0, 0).select(1, 0) : q_in;
+  const at::Tensor k = four ? k_in.select(0, 0) : k_in;
+  const at::Tensor v = four ? v_in.select(0, 0) : v_in;
   TORCH_CHECK(q.dim() == 2 && k.dim() == 3 && v.dim() == 3, "scsa_decode: q [H, D], k/v [Hkv, N, D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "scsa_decode: q, k, v must be float32");
@@ -881,7 +893,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
   int64_t opened_rows = 0;
   for (const Item& item : items)
     for (int64_t j = item.c0; j < item.c1; ++j) opened_rows += cntp[lists[item.h][j]];
-  return {out, opened, at::scalar_tensor(opened_rows, at::kLong)};
+  return {four ? out.view({1, H, 1, D}) : out, opened, at::scalar_tensor(opened_rows, at::kLong)};
 }
 
 }  // namespace
