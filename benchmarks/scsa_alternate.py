@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from longattn.host import cpu_description  # noqa: E402
 from longattn.ops import native  # noqa: E402
 from longattn.policy import AttentionPolicy  # noqa: E402
-from longattn.sparse import SCSAConfig  # noqa: E402
+from longattn.sparse import SCSAConfig, SCSALayer  # noqa: E402
 from longattn.sparse.index import ClusterIndex  # noqa: E402
 from longattn.sparse_policy import build_sparse_policy  # noqa: E402
 from longattn.static_decode import StaticDecoder  # noqa: E402
@@ -69,6 +69,17 @@ def withhold_copies(slot_cfgs: set) -> None:
             copy(self, k, v, kept)
 
     ClusterIndex._copy_outliers = patched
+
+
+def no_shortcut(general_cfgs: set) -> None:
+    """Layers under a config whose id is in ``general_cfgs`` never take the decode loop's
+    shortcut (SCSALayer._hot_call): every call runs the general path (``--general``)."""
+    hot_call = SCSALayer._hot_call
+
+    def patched(self, *a):
+        return None if id(self.cfg) in general_cfgs else hot_call(self, *a)
+
+    SCSALayer._hot_call = patched
 
 
 def main():
@@ -99,6 +110,9 @@ def main():
                     help="native kernel forms to time, each a setting of every arm's rounds (avx512 only where "
                          "the CPU has it; both = avx2 avx512; auto: each kernel's automatic form, "
                          "native.avx512(None))")
+    ap.add_argument("--general", action="store_true",
+                    help="per SCSA arm, an arm ...+general whose layers never take SCSALayer's decode-loop "
+                         "shortcut (the general path's Python on every call; the same bits)")
     ap.add_argument("--outlier-slots", action="store_true",
                     help="per SCSA arm, an arm ...+slots whose native calls read the outliers from the cache "
                          "by slot instead of the index's copies")
@@ -127,18 +141,23 @@ def main():
     sparse_arms = {}
     slot_cfgs = set()  # ids of the configs of +slots arms (see withhold_copies)
     withhold_copies(slot_cfgs)
+    general_cfgs = set()  # ids of the configs of +general arms (see no_shortcut)
+    no_shortcut(general_cfgs)
     for cs, tol, o, q, pr in arms:
         name = "sparse" + (f"-{cs}" if len(args.cluster_sizes) > 1 else "") + \
             (f"@{tol:g}" if len(args.tolerances) > 1 else "") + (f"+out{o}" if len(args.outliers) > 1 else "") + \
             (f"~q{q:g}" if len(args.calib_quantiles) > 1 else "") + (f"+probe{pr}" if len(args.probes) > 1 else "")
         scsa = SCSAConfig(min_context=0, calib_steps=args.calib, tolerance=tol, calib_metric=args.metric,
                           calib_quantile=q, cluster_size=cs, outliers=o, probe_dims=pr, probe_keys=args.probe_keys)
-        for slots in ([False, True] if args.outlier_slots else [False]):
-            arm = name + ("+slots" if slots else "")
+        for slots, general in [(s, g) for s in ([False, True] if args.outlier_slots else [False])
+                               for g in ([False, True] if args.general else [False])]:
+            arm = name + ("+slots" if slots else "") + ("+general" if general else "")
             sparse_arms[arm] = tol
-            cfg = dataclasses.replace(scsa)  # an arm's own config object: the +slots arm is told apart by it
+            cfg = dataclasses.replace(scsa)  # an arm's own config object: +slots, +general arms are told apart by it
             if slots:
                 slot_cfgs.add(id(cfg))
+            if general:
+                general_cfgs.add(id(cfg))
             decs[arm] = StaticDecoder(model, build_sparse_policy(ck.config, cfg), max_len=max_len, dynamic=True)
     if args.controls:  # tau 0, no calibration: every cluster opened, so no tail at all
         for name, packing in (("control-q8-all", "q8_0"), ("control-f32-all", "f32")):
@@ -173,7 +192,7 @@ def main():
         for name in decs:
             run(name, warm)  # SCSA calibrates here, then a few steps on the frozen taus
             if decs[name].sparse is not None:  # the +slots arms, and only they, read by slot
-                assert all((ix.extra_k is None) == name.endswith("+slots")
+                assert all((ix.extra_k is None) == ("+slots" in name)
                            for sc in decs[name].sparse.layers.values() for ix in sc.indexes), name
         samples = {(a, f): [] for a in decs for f in forms}
         for _ in range(args.rounds):
@@ -226,7 +245,7 @@ def main():
     Path(args.out).write_text(json.dumps({
         "model": args.model, "weights": args.weights, "threads": args.threads, "rounds": args.rounds,
         "block": args.block, "tolerances": args.tolerances, "outliers": args.outliers, "metric": args.metric,
-        "probes": args.probes, "probe_keys": args.probe_keys, "outlier_slots": args.outlier_slots,
+        "probes": args.probes, "probe_keys": args.probe_keys, "outlier_slots": args.outlier_slots, "general": args.general,
         "calib_quantiles": args.calib_quantiles,
         "cpu": cpu_description(),
         # the dense attention's loops under --forms auto (AVX2 on AMD, see native.avx512)

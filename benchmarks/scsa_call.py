@@ -16,6 +16,11 @@ head_dim 64, float32; sparse.synthetic):
     may hold a 32K head's 33.5 MB, a model step's whole cache it does not).
 Fixed thresholds (no calibration) so every arm reads the same thing each call. ``--outliers``
 adds native arms ``...+outK`` (SCSAConfig.outliers = K: each cluster's K farthest keys read exactly).
+``--python`` adds, per tau, two arms that price the Python around the kernel: ``kernel`` (the
+kernel alone, on the arguments SCSALayer passes it) and ``static-op`` (the compiled static
+step's op ``longattn::scsa_step`` with its per-layer Python, over the same cache as a
+SparseState holds it), both in the kernels' automatic form: ``scsa-native`` − ``kernel`` is
+SCSALayer.attend's Python, ``static-op`` − ``scsa-native`` the op's.
 ``--outlier-slots`` adds, per native arm, ``...+slots``: the same layer with the index's contiguous
 outlier copies withheld, so the call reads the outliers from the cache by slot (the same bits).
 
@@ -41,6 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from longattn.host import cpu_description  # noqa: E402
 from longattn.ops import native  # noqa: E402
 from longattn.sparse import SCSAConfig, SCSALayer  # noqa: E402
+from longattn.sparse import layer as layer_mod  # noqa: E402
+from longattn.static_sparse import SparseState  # noqa: E402
 from longattn.sparse.synthetic import synthetic_cache  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -52,6 +59,35 @@ def timed(fn, calls):
     for i in range(calls):
         fn(i)
     return (time.perf_counter() - t0) / calls
+
+
+def python_arms(n, tau, outliers, bufs, qs, scale) -> dict:
+    """``kernel@tau`` and ``static-op@tau`` over each cache copy (see ``--python``): per copy a
+    SparseState whose layer has built its index and called the kernel once through the general
+    path, whose arguments (after q, k, v) the kernel arm reuses on the 4-D tensors."""
+    cfg = SCSAConfig(min_context=0, calib_steps=0, tau_default=tau, outliers=outliers)
+    q_pos = torch.tensor([[n - 1]])
+    ops, kernels = [], []
+    for k, v in bufs:  # [1, Hkv, n, D]: the op's write-ahead at slot n - 1 writes what is there
+        state = SparseState(cfg, H, HKV, D)
+        k_new, v_new = k[:, :, n - 1:n].clone(), v[:, :, n - 1:n].clone()
+        captured, real = [], layer_mod._native_call
+        layer_mod._native_call = lambda *a: captured.append(a) or real(*a)
+        try:
+            torch.ops.longattn.scsa_step(qs[0], k, v, q_pos, k_new, v_new, state.key, 0, scale)
+        finally:
+            layer_mod._native_call = real
+        ops.append((state, k, v, k_new, v_new))
+        kernels.append((k, v, captured[0][3:]))
+
+    def static_op(i):
+        state, k, v, k_new, v_new = ops[i % len(ops)]
+        return torch.ops.longattn.scsa_step(qs[i], k, v, q_pos, k_new, v_new, state.key, 0, scale)
+
+    def kernel(i):
+        k, v, rest = kernels[i % len(kernels)]
+        return layer_mod._native_call(qs[i], k, v, *rest)
+    return {f"kernel@{tau}": kernel, f"static-op@{tau}": static_op}
 
 
 def main():
@@ -68,6 +104,9 @@ def main():
     ap.add_argument("--outlier-slots", action="store_true",
                     help="native arms ...+slots that read the outliers from the cache by slot, not the "
                          "index's copies (ClusterIndex.extra_k/extra_v)")
+    ap.add_argument("--python", action="store_true",
+                    help="arms kernel@tau and static-op@tau: the kernel alone and the static step's op, "
+                         "to price the Python around the call")
     ap.add_argument("--out", default=str(RESULTS / "scsa_call.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -105,6 +144,9 @@ def main():
                 form[f"{arm}@{tau}"] = natives.get(arm.split("+")[0])
         arms = {f"{arm}@{tau}": (lambda i, Ls=per_copy: Ls[i % len(Ls)].attend(qs[i], *kv(i), scale))
                 for (arm, tau), per_copy in layers.items()}
+        if args.python:
+            for tau in args.taus:
+                arms.update(python_arms(n, tau, args.outliers[0], bufs, qs, scale))
         fused = lambda i: torch.ops.longattn_cpu.decode_attention(  # noqa: E731
             qs[i], *kv(i), k_pos, q_pos, none, none, 0, 0, scale)
         arms["fused-dense"] = fused  # the automatic form (native.dense_attention_avx512)
@@ -136,7 +178,7 @@ def main():
     RESULTS.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"threads": args.threads, "cpu": cpu_description(), "shape": [H, HKV, D],
                                           "calls": args.calls, "copies": args.copies, "outliers": args.outliers, "outlier_slots": args.outlier_slots,
-                                          "repeats": args.repeats, "rows": rows}, indent=1))
+                                          "python": args.python, "repeats": args.repeats, "rows": rows}, indent=1))
     print(f"wrote {args.out}")
 
 
