@@ -47,8 +47,8 @@ from longattn.host import cpu_description  # noqa: E402
 from longattn.ops import native  # noqa: E402
 from longattn.sparse import SCSAConfig, SCSALayer  # noqa: E402
 from longattn.sparse import layer as layer_mod  # noqa: E402
-from longattn.static_sparse import SparseState  # noqa: E402
 from longattn.sparse.synthetic import synthetic_cache  # noqa: E402
+from longattn.static_sparse import SparseState  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 H, HKV, D = 14, 2, 64
@@ -72,7 +72,11 @@ def python_arms(n, tau, outliers, bufs, qs, scale) -> dict:
         state = SparseState(cfg, H, HKV, D)
         k_new, v_new = k[:, :, n - 1:n].clone(), v[:, :, n - 1:n].clone()
         captured, real = [], layer_mod._native_call
-        layer_mod._native_call = lambda *a: captured.append(a) or real(*a)
+
+        def capture(*a, real=real, captured=captured):
+            captured.append(a)
+            return real(*a)
+        layer_mod._native_call = capture
         try:
             torch.ops.longattn.scsa_step(qs[0], k, v, q_pos, k_new, v_new, state.key, 0, scale)
         finally:
