@@ -105,7 +105,17 @@ class ClusterIndex:
     def _same_cache(self, k: torch.Tensor) -> bool:
         # the last sealed row's keys: another sequence (or rewritten history) differs there; one
         # comparison per call, since this runs on every decode step of every sparse layer
-        return self._fingerprint is None or torch.equal(k.select(1, self.seal_end - 1), self._fingerprint)
+        if self._fingerprint is None:
+            return True
+        rows = k.select(-2, self.seal_end - 1)  # [Hkv, D], or [1, Hkv, D] from one row's 4-D cache
+        return torch.equal(rows if rows.dim() == 2 else rows.select(0, 0), self._fingerprint)
+
+    def is_current(self, k: torch.Tensor) -> bool:
+        """True when ``update`` would change nothing for the cache ``k`` (``[Hkv, N, D]``, or one
+        row's ``[1, Hkv, N, D]``): not shorter than the sealed region, the same sealed keys, and
+        no rebuild due. The decode loop's shortcut (SCSALayer._hot_call) asks this alone."""
+        n = k.shape[-2]
+        return n >= self.seal_end and self._same_cache(k) and self.target_seal_end(n) <= self.seal_end
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> int:
         """Bring the index up to date with the cache; returns how many blocks were (re)built.
@@ -114,6 +124,8 @@ class ClusterIndex:
             k, v: ``[Hkv, N, D]``, the whole cache of this row (append-only between calls).
         A cache shorter than the sealed region, or whose sealed keys changed, is replanned.
         """
+        if self.is_current(k):
+            return 0
         cfg = self.cfg
         n = k.shape[1]
         if n < self.seal_end or not self._same_cache(k):

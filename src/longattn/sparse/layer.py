@@ -78,11 +78,10 @@ class SCSALayer:
         self.cost_ratio: float | None = None
         self.indexes: list[ClusterIndex] = []
         self._last: list[tuple] = []
-        # the decode loop's shortcut (see _hot_call): the single row's index and what its last
-        # native call passed the kernel, once a calibrated call of one row took the native
-        # kernel; dropped whenever taus or indexes change
+        # the decode loop's shortcut (see _hot_call): the single row's index and what the kernel
+        # takes besides the row, once a calibrated call of one row took the native kernel;
+        # dropped whenever taus or indexes change
         self._hot: tuple | None = None
-        self._hot_tail: tuple | None = None  # the last native row's arguments after the row itself
 
     # --- public --------------------------------------------------------------------------
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -122,13 +121,12 @@ class SCSALayer:
             return self._calibration_call(q, k, v, scale)
         if B == 1:  # the decode loop's case: no per-row list, stack or cast beyond what is needed
             k0, v0 = k[0], v[0]
-            self._hot_tail = None
             out = self._row(0, q[0, :, 0], k0, v0, scale, self.taus).view(1, H, 1, D)
             index = self.indexes[0]
-            if self._hot_tail is not None and q.dtype == torch.float32 and index._fingerprint is not None:
-                # the row went native at the layer's taus: the next steps may take the shortcut
-                s0, s1 = index.exact_slots(N)
-                self._hot = (index, s0, s1, self._hot_tail, scale, q.shape, (D, 1), index._fingerprint.unsqueeze(0))
+            if q.dtype == torch.float32 and not self.cfg.serial and self._native_applies(index, k0, v0):
+                # the row went native (as _row decides) at the layer's taus: the next steps may
+                # take the shortcut
+                self._hot = (index, self._native_tail(index, self.taus, scale), scale, q.shape)
         else:
             rows = [self._row(b, q[b, :, 0], k[b], v[b], scale, self.taus) for b in range(B)]
             out = torch.stack(rows).view(B, H, 1, D)
@@ -243,20 +241,21 @@ class SCSALayer:
         with the checks cut to what can change between two steps: shapes, dtypes, row strides,
         the scale, the cache's length (no rebuild due, not below the sealed region, not below
         ``min_context``) and its last sealed keys (another sequence). ``None``: anything else,
-        which the general path then handles (and checks) in full. ``hot`` is what
-        ``_native_row`` passed the kernel beyond the row itself, kept while the index and the
-        taus stay as they are (see ``_hot``). Against the general path it saved ~25 us a layer
+        which the general path then handles (and checks) in full. ``hot`` holds the index, what
+        the kernel takes besides the row (``_native_tail``), the scale and q's shape, kept while
+        the index and the taus stay as they are (see ``_hot``). Against the general path it saved ~25 us a layer
         call in the model at 32K (32.8 -> 32.2 ms a step, ``scsa_alternate.py --general``)."""
-        index, s0, s1, tail, scale0, q_shape, row_strides, fingerprint = hot
+        index, tail, scale0, q_shape = hot
+        D = self.head_dim
         if q.shape != q_shape or k.shape != v.shape or k.shape[:2] != (1, self.num_kv_heads) \
-                or k.shape[3] != q_shape[3] or k.dtype != torch.float32 or v.dtype != torch.float32 \
-                or q.dtype != torch.float32 or k.stride()[2:] != row_strides or v.stride()[2:] != row_strides \
+                or k.shape[3] != D or k.dtype != torch.float32 or v.dtype != torch.float32 \
+                or q.dtype != torch.float32 or k.stride()[2:] != (D, 1) or v.stride()[2:] != (D, 1) \
                 or scale != scale0:
             return None
         n = k.shape[2]
-        if n < self.cfg.min_context or n < s1 or index.target_seal_end(n) > s1 \
-                or not torch.equal(k.select(2, s1 - 1), fingerprint):  # another sequence: replan
+        if n < self.cfg.min_context or not index.is_current(k):  # a rebuild, or another sequence
             return None
+        s0, s1 = index.exact_slots(n)
         out, opened, opened_rows = _native_call(q, k, v, s0, s1, *tail)  # 4-D in, [1, H, 1, D] out
         hkv, X, M = self.num_kv_heads, index.extra_slots.shape[1], index.num_clusters
         counters = self.counters
@@ -452,17 +451,24 @@ class SCSALayer:
         return all(t.dtype == torch.float32 and t.stride(-1) == 1 and t.stride(-2) == D
                    for t in (k_row, v_row)) and native.available()
 
+    def _native_tail(self, index: ClusterIndex, taus, scale) -> tuple:
+        """What ``longattn_cpu::scsa_decode`` takes after the row and its exact slots: the
+        index's tensors, the thresholds and the settings (fixed until the index rebuilds or the
+        taus change, so the decode loop's shortcut keeps it)."""
+        st = index.store
+        return (index.extra_slots, index.summ, index.resid, index.log_counts, index.radius, index.vmean,
+                index.counts, index.num_clusters, st.kt, st.ks, st.vi, st.vs,
+                taus if taus is self.taus else taus.float().contiguous(), float(scale), self.cfg.probe_dims,
+                self.cfg.probe_keys, index.extra_k, index.extra_v)
+
     def _native_row(self, index: ClusterIndex, q_row, k_row, v_row, s0, s1, scale, taus):
         """One row through ``longattn_cpu::scsa_decode`` (slots ``[0, s0)``, the outliers and
         ``[s1, N)`` exact): output ``[Hkv, g, D]``, the flat selection (the same decisions as
         ``select_flat``, read in one native pass) and the member rows opened (all KV heads)."""
-        st, M = index.store, index.num_clusters
-        tail = (index.extra_slots, index.summ, index.resid, index.log_counts, index.radius, index.vmean,
-                index.counts, M, st.kt, st.ks, st.vi, st.vs, taus if taus is self.taus else taus.float().contiguous(),
-                float(scale), self.cfg.probe_dims, self.cfg.probe_keys, index.extra_k, index.extra_v)
+        tail = self._native_tail(index, taus, scale)
         out, opened, rows = _native_call(q_row.float(), k_row, v_row, s0, s1, *tail)
-        self._hot_tail = tail
-        sel = Selection(opened, None, None, self.num_kv_heads * M)  # flat: tails = ~opened (see _accounting)
+        # flat: tails = ~opened (see _accounting)
+        sel = Selection(opened, None, None, self.num_kv_heads * index.num_clusters)
         return out.view(self.num_kv_heads, self.group, self.head_dim), sel, int(rows)
 
     def replay_errors(self, index: ClusterIndex, prep: dict, o_exact: torch.Tensor, scale: float) -> torch.Tensor:
