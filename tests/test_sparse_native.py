@@ -241,13 +241,15 @@ def test_cluster_sizes_off_the_8_row_tiles(cluster_size):
 
 @pytest.mark.parametrize("H,HKV,D,cluster_size", [(14, 2, 64, 16), (4, 1, 256, 24), (6, 3, 48, 13),
                                                   (4, 2, 40, 20), (18, 2, 32, 24)])
-@pytest.mark.parametrize("probe", [0, 8, 512])
-def test_avx512_form_equals_the_avx2_form(H, HKV, D, cluster_size, probe):
-    """The AVX-512 opened-cluster phase does the AVX2 one's integer dots and float operations in
-    the same order per element, so outputs, selections and counters are bit-identical (head
-    dims with q8 blocks of 32, 16 and 8 values: with 8 the values stay AVX2; 9 query heads per
-    KV head: head chunks of 8 + 1; with and without the probe, whose own tile forms score every
-    row over 8 dimensions or all of them). A CPU without AVX-512 refuses the forced form instead."""
+@pytest.mark.parametrize("probe,outliers", [(0, 0), (0, 5), (8, 0), (512, 0)])
+def test_avx512_form_equals_the_avx2_form(H, HKV, D, cluster_size, probe, outliers):
+    """The AVX-512 forms do the AVX2 ones' integer dots and float operations in the same order
+    per element, so outputs, selections and counters are bit-identical: the opened-cluster phase
+    (head dims with q8 blocks of 32, 16 and 8 values: with 8 the values stay AVX2; 9 query heads
+    per KV head: head chunks of 8 + 1; with and without the probe, whose own tile forms score
+    every row over 8 dimensions or all of them) and the exact rows' and tails' values where the
+    head dim is a multiple of 64 (64 and 256 here: heads in passes of 4, so 7 = 4 + 3; with and
+    without outliers among the exact rows). A CPU without AVX-512 refuses the forced form instead."""
     if not native.avx512(None):
         with pytest.raises(RuntimeError, match="lacks AVX-512"):
             native.avx512(True)
@@ -258,7 +260,8 @@ def test_avx512_form_equals_the_avx2_form(H, HKV, D, cluster_size, probe):
     try:
         for wide in (False, True):
             assert native.avx512(wide) is wide
-            layer = SCSALayer(small_cfg(tau_default=0.03, cluster_size=cluster_size, probe_dims=probe), H, HKV, D)
+            layer = SCSALayer(small_cfg(tau_default=0.03, cluster_size=cluster_size, probe_dims=probe,
+                                         outliers=outliers), H, HKV, D)
             outs = [layer.attend(q, k, v, scale) for q in qs]
             results.append((outs, layer._last[-1][1].opened, dict(layer.counters)))
     finally:
