@@ -416,8 +416,9 @@ void probe_tile_scores_512(const int8_t* tile, const float* kscale, int64_t n, c
 // the tile starts at zero and is then added to o, as there. Synthetic 32K call (7 heads in
 // passes of 4 + 3, 12 cache copies, 2 threads, 100 alternated rounds, exact rows' and tails'
 // values in this form against tiled_weighted_rows): 1.11-1.12x at tau 1.0 (phase A alone),
-// 1.04-1.05x at tau 0.02 in two runs. Passes of 32 columns for all 7 heads (14 accumulators)
-// were 8% faster with the rows in cache but 3-4% slower from DRAM: each pass read half a row.
+// 1.04-1.05x at tau 0.02 in two runs. Passes of 32 columns for all 7 heads (14 accumulators,
+// exact rows only) were 1-8% faster with the rows in cache but 3-4% slower from DRAM: each pass
+// read half a row.
 template <int GN>
 void tiled_weighted_rows_512(const float* p, int64_t p_stride, const float* const* rows, int64_t n, int64_t D,
                              float* o, int64_t o_stride) {
