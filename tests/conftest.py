@@ -24,7 +24,8 @@ TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_laye
 
 
 def tiny_hf_config(family: str, **over):
-    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
+                              Qwen3Config)
     kw = dict(TINY, **({"num_hidden_layers": 6} if family == "gemma3" else {}), **over)
     if family == "llama":
         return LlamaConfig(rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, **kw)
@@ -32,6 +33,15 @@ def tiny_hf_config(family: str, **over):
         return Qwen2Config(rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, **kw)
     if family == "qwen3":
         return Qwen3Config(rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, **kw)
+    if family == "mistral":
+        return MistralConfig(**{"sliding_window": 8, "rope_theta": 1e4, "rms_norm_eps": 1e-5, **kw})
+    if family == "phi3":
+        kw.pop("head_dim")  # Phi-3 derives head_dim from hidden_size / heads (64 / 4 = 16)
+        return Phi3Config(**{"sliding_window": 8, "rms_norm_eps": 1e-5, "pad_token_id": 0, "bos_token_id": 1,
+                             "eos_token_id": 2, **kw})
+    if family == "gemma2":
+        return Gemma2Config(**{"sliding_window": 8, "query_pre_attn_scalar": 12, "rms_norm_eps": 1e-6,
+                               "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0, **kw})
     if family == "gemma3":
         L = kw["num_hidden_layers"]
         return Gemma3TextConfig(
@@ -52,12 +62,19 @@ def randomize(model, seed: int = 0) -> None:
             p.copy_(torch.randn(p.shape, generator=g) * scale)
 
 
-@functools.lru_cache(maxsize=None)
 def tiny_dir(family: str, seed: int = 0, **over) -> str:
-    """Save a random transformers model of ``family`` and return its directory."""
+    """Save a random transformers model of ``family`` (config fields ``over``) and return its
+    directory; one per distinct (family, seed, over)."""
+    import json
+    return _tiny_dir(family, seed, json.dumps(over, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=None)
+def _tiny_dir(family: str, seed: int, over_json: str) -> str:
+    import json
     import tempfile
     from transformers import AutoModelForCausalLM
-    cfg = tiny_hf_config(family, **over)
+    cfg = tiny_hf_config(family, **json.loads(over_json))
     torch.manual_seed(seed)
     m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     randomize(m, seed)
@@ -140,3 +157,44 @@ def book_text(chars: int = 20000, name: str = "nltk_melville-moby_dick.txt") -> 
     from longattn.data import book_path
     text = book_path(name).read_text(errors="ignore")
     return text[5000: 5000 + chars]
+
+
+# ---------------------------------------------------------------- three ways to run a model
+
+def three_ways(model, ids: torch.Tensor, chunk: int = 16, prefill: int = 32, hf: bool = False) -> dict:
+    """Logits ``[B, T, V]`` of ``ids [B, T]`` run as one full forward, as a prefill in chunks of
+    ``chunk`` tokens through a cache, and as a ``prefill``-token prefill then one-token steps.
+
+    ``model`` is a longattn Transformer (with its checkpoint's cache from ``make_cache``) or,
+    with ``hf=True``, a transformers model (with its own DynamicCache), so the same three runs
+    can be compared side by side.
+    """
+    T = ids.shape[1]
+
+    def reset():
+        if hf:  # a 1-token call resets transformers' dynamic-rope state (it keeps the longest seen)
+            with torch.no_grad():
+                model(ids[:, :1])
+
+    def run(pieces):
+        reset()
+        cache, outs = None, []
+        if not hf:
+            from longattn.cache import make_cache
+            cache = make_cache(model.config, batch=ids.shape[0], model=model)
+        for a, b in pieces:
+            if hf:
+                with torch.no_grad():
+                    o = model(ids[:, a:b], past_key_values=cache, use_cache=cache is not None or b < T)
+                cache = o.past_key_values
+                outs.append(o.logits)
+            else:
+                outs.append(model(ids[:, a:b], cache=cache))
+        return torch.cat(outs, dim=1)
+
+    reset()
+    with torch.no_grad():
+        full = model(ids).logits if hf else model(ids)
+    chunked = run([(a, min(T, a + chunk)) for a in range(0, T, chunk)])
+    steps = run([(0, prefill)] + [(t, t + 1) for t in range(prefill, T)])
+    return {"full": full, "chunked": chunked, "step": steps}

@@ -1,6 +1,6 @@
 """ModelConfig: everything the model needs to know about a checkpoint, validated.
 
-Family differences (Llama, Qwen2, Qwen3, Gemma 3) are data here, never branches in the
+Family differences (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3) are data here, never branches in the
 model's loop. ``layer_windows[i]`` is the sliding window of layer i as trained (``None`` =
 full attention); ``layer_rope_theta[i]`` is that layer's RoPE base.
 """
@@ -13,7 +13,7 @@ from typing import Optional
 
 from .errors import LongattnError
 
-FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 
 
 @dataclass
@@ -32,8 +32,12 @@ class ModelConfig:
     # Per-layer data (filled by __post_init__ when left empty).
     layer_windows: list = field(default_factory=list)      # [L] int | None
     layer_rope_theta: list = field(default_factory=list)   # [L] float
+    # [L] dict | None: that layer's rope scaling (models.rope form); default rope_scaling on every layer
+    layer_rope_scaling: list = field(default_factory=list)
     # Family switches.
     qkv_bias: bool = False
+    o_bias: bool = False               # bias on the attention output projection (attention_bias)
+    mlp_bias: bool = False             # biases on gate, up and down projections
     qk_norm: bool = False              # RMSNorm over head_dim on q and k (Qwen3, Gemma 3)
     norm_plus_one: bool = False        # Gemma: weight applied as (1 + w)
     sandwich_norms: bool = False       # Gemma 3: post-attention and post-ffn norms too
@@ -43,7 +47,7 @@ class ModelConfig:
     attn_softcap: Optional[float] = None
     final_softcap: Optional[float] = None
     tie_embeddings: bool = False
-    rope_scaling: Optional[dict] = None  # e.g. {"type": "linear", "factor": 8.0}
+    rope_scaling: Optional[dict] = None  # models.rope form, e.g. {"rope_type": "linear", "factor": 8.0}
     bos_token_id: Optional[int] = None
     eos_token_ids: list = field(default_factory=list)
     name: str = ""
@@ -53,6 +57,8 @@ class ModelConfig:
             self.layer_windows = [None] * self.num_layers
         if not self.layer_rope_theta:
             self.layer_rope_theta = [self.rope_theta] * self.num_layers
+        if not self.layer_rope_scaling:
+            self.layer_rope_scaling = [self.rope_scaling] * self.num_layers
         self.validate()
 
     @property
@@ -84,6 +90,14 @@ class ModelConfig:
             bad(f"layer_windows has {len(self.layer_windows)} entries for {self.num_layers} layers")
         if len(self.layer_rope_theta) != self.num_layers:
             bad(f"layer_rope_theta has {len(self.layer_rope_theta)} entries for {self.num_layers} layers")
+        if len(self.layer_rope_scaling) != self.num_layers:
+            bad(f"layer_rope_scaling has {len(self.layer_rope_scaling)} entries for {self.num_layers} layers")
+        from .models.rope import check_rope_scaling  # here: models imports this module
+        try:
+            self.rope_scaling = check_rope_scaling(self.rope_scaling, self.head_dim)
+            self.layer_rope_scaling = [check_rope_scaling(s, self.head_dim) for s in self.layer_rope_scaling]
+        except LongattnError as e:
+            bad(str(e))
         for w in self.layer_windows:
             if w is not None and (not isinstance(w, int) or w <= 0):
                 bad(f"layer window {w!r} must be a positive integer or None")

@@ -46,10 +46,22 @@ def rerotate_error_bound(max_angle: float, rotations: int = 2) -> float:
     return (rotations + 1) * (ulp / 2 + 2 * 2.0 ** -24)
 
 
+def refuse_length_dependent_rope(layers, what: str) -> None:
+    """Re-rotating a key needs one fixed frequency set per layer; dynamic and longrope
+    scaling change theirs with the sequence length, so moving keys there is refused."""
+    for blk in layers:
+        if blk.self_attn.rope_varies:
+            raise LongattnError(f"{what} re-rotates keys, which needs fixed RoPE frequencies; this "
+                                f"model's rope_type '{blk.self_attn.rope_scaling['rope_type']}' changes "
+                                "them with the sequence length")
+
+
 def layer_inv_freqs(model_or_inv_freqs, num_layers: int) -> list:
     """Per-layer ``[head_dim // 2]`` inv_freq from a Transformer or a sequence of tensors."""
     if hasattr(model_or_inv_freqs, "model") and hasattr(model_or_inv_freqs.model, "layers"):
-        fs = [blk.self_attn.inv_freq for blk in model_or_inv_freqs.model.layers]
+        layers = model_or_inv_freqs.model.layers
+        refuse_length_dependent_rope(layers, "evict with renumbering")
+        fs = [blk.self_attn.inv_freq for blk in layers]
     elif isinstance(model_or_inv_freqs, (list, tuple)):
         fs = list(model_or_inv_freqs)
     else:

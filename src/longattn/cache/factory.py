@@ -6,6 +6,7 @@ import torch
 
 from ..errors import LongattnError
 from .base import LAYER_CACHES, KVCache
+from .evict import refuse_length_dependent_rope
 from .hybrid import plan_layers
 from . import ring as _ring  # noqa: F401  (registers "ring" in LAYER_CACHES)
 
@@ -44,6 +45,8 @@ def make_cache(cfg, policy=None, batch: int = 1, kind: str = "auto", slack: int 
                             "other than 'growing')")
     if reindex and model is None:
         raise LongattnError("reindex needs the model's RoPE frequencies: make_cache(..., model=model)")
+    if reindex:
+        refuse_length_dependent_rope(model.model.layers, "reindex")
     layers = []
     for i, (lp, name) in enumerate(zip(policy.layers, plan)):
         inv_f = model.model.layers[i].self_attn.inv_freq if model is not None else None

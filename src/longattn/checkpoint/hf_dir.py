@@ -1,4 +1,9 @@
-"""Read an HF model directory (config.json + *.safetensors) into ModelConfig + state dict."""
+"""Read an HF model directory (config.json + *.safetensors) into ModelConfig + state dict.
+
+Every config.json field that changes a family's outputs in transformers is either read
+here or refused with one line (docs/families.md lists them per family); fields that do not
+change outputs at inference (dropouts, initializer ranges, cache flags) are not read.
+"""
 
 from __future__ import annotations
 
@@ -7,65 +12,166 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig
+from ..config import FAMILIES, ModelConfig
 from ..errors import LongattnError
 
-_FAMILY = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
-           "gemma3": "gemma3"}
+# config.json model_type -> longattn family
+_FAMILY = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+           "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3"}
+# hidden_act / hidden_activation -> ModelConfig.activation
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+_GEMMA = ("gemma2", "gemma3")
+# Families whose transformers config derives the window pattern from use_sliding_window /
+# max_window_layers (layer i windowed when i >= max_window_layers).
+_QWEN = ("qwen2", "qwen3")
+# Families whose transformers model applies sliding_window on every layer.
+_WINDOW_EVERY_LAYER = ("mistral", "phi3")
+
+
+def _rope(d: dict, params: dict | None) -> tuple[float, dict | None]:
+    """(rope base, scaling dict or None) from one rope_parameters dict, or from the older
+    top-level ``rope_theta`` / ``rope_scaling`` / ``partial_rotary_factor`` fields."""
+    if params is None:
+        params = dict(d.get("rope_scaling") or {})
+    else:
+        params = dict(params)
+    theta = params.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
+    if d.get("partial_rotary_factor") is not None:
+        params.setdefault("partial_rotary_factor", d["partial_rotary_factor"])
+    t = params.get("rope_type") or params.get("type") or "default"
+    if t in ("llama3", "yarn", "longrope"):
+        # transformers gives a top-level original_max_position_embeddings (Phi-3) priority
+        if d.get("original_max_position_embeddings") is not None:
+            params["original_max_position_embeddings"] = d["original_max_position_embeddings"]
+        params.setdefault("original_max_position_embeddings", d.get("max_position_embeddings"))
+    return float(theta), (params or None)
+
+
+def _layer_types(d: dict, family: str, n_layers: int) -> list | None:
+    """Each layer's "sliding_attention" / "full_attention" as transformers derives it."""
+    lt = d.get("layer_types")
+    if lt is None:
+        if family == "gemma2":
+            lt = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)]
+        elif family == "gemma3":
+            pattern = int(d.get("sliding_window_pattern", 6))
+            lt = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)]
+        elif family in _QWEN:
+            first = int(d.get("max_window_layers", 28))
+            lt = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+        else:
+            return None
+    lt = list(lt)
+    if len(lt) != n_layers:
+        raise LongattnError(f"config layer_types has {len(lt)} entries for {n_layers} layers")
+    unknown = sorted(set(lt) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise LongattnError(f"config layer_types has unknown kind(s) {unknown}; longattn knows "
+                            "sliding_attention and full_attention")
+    return lt
+
+
+def _refuse(d: dict) -> None:
+    """One line for a config field that changes outputs and longattn does not implement."""
+    if d.get("use_bidirectional_attention"):
+        raise LongattnError("use_bidirectional_attention is set; longattn runs causal decoders only")
 
 
 def read_hf_config(d: dict, name: str = "") -> ModelConfig:
+    """A config.json dict -> ModelConfig (raises LongattnError with one line for what it refuses)."""
     if d.get("model_type") == "gemma3" and "text_config" in d:
         d = {**d["text_config"], "model_type": "gemma3_text"}
     mt = d.get("model_type")
     family = _FAMILY.get(mt)
     if family is None:
         raise LongattnError(f"unsupported architecture '{mt}' in config.json; longattn runs: "
-                            "llama, qwen2, qwen3, gemma3")
+                            f"{', '.join(FAMILIES)}")
+    _refuse(d)
     n_layers = int(d["num_hidden_layers"])
     n_heads = int(d["num_attention_heads"])
-    head_dim = d.get("head_dim") or d["hidden_size"] // n_heads
-    theta = float(d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    head_dim = int(d.get("head_dim") or d["hidden_size"] // n_heads)
+    act_name = d.get("hidden_activation") or d.get("hidden_act") or ("gelu_pytorch_tanh" if family in _GEMMA
+                                                                      else "silu")
+    if act_name not in _ACTIVATIONS:
+        raise LongattnError(f"activation '{act_name}' is not implemented; longattn runs "
+                            f"{', '.join(_ACTIVATIONS)}")
     eos = d.get("eos_token_id")
+    attn_bias = bool(d.get("attention_bias", False))
     kw = dict(
         family=family, vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
         intermediate_size=int(d["intermediate_size"]), num_layers=n_layers, num_heads=n_heads,
-        num_kv_heads=int(d.get("num_key_value_heads") or n_heads), head_dim=int(head_dim),
+        num_kv_heads=int(d.get("num_key_value_heads") or n_heads), head_dim=head_dim,
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        max_context=int(d.get("max_position_embeddings", 8192)), rope_theta=theta,
-        tie_embeddings=bool(d.get("tie_word_embeddings", family == "gemma3")),
-        qkv_bias=bool(d.get("attention_bias", family == "qwen2")),
+        max_context=int(d.get("max_position_embeddings", 8192)),
+        tie_embeddings=bool(d.get("tie_word_embeddings", family in _GEMMA)),
+        # Qwen2 always has q/k/v biases and no output bias; elsewhere attention_bias is all four.
+        qkv_bias=family == "qwen2" or attn_bias, o_bias=family != "qwen2" and attn_bias,
+        mlp_bias=bool(d.get("mlp_bias", False)),
         qk_norm=family in ("qwen3", "gemma3"),
+        activation=_ACTIVATIONS[act_name],
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
         name=name,
     )
-    layer_types = d.get("layer_types")
-    window = d.get("sliding_window")
-    rp = d.get("rope_parameters") or {}
-    if family == "gemma3":
-        if not layer_types:
-            pattern = int(d.get("sliding_window_pattern", 6))
-            layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                           for i in range(n_layers)]
-        # transformers 5 nests rope bases per layer type under rope_parameters.
-        g_theta = float((rp.get("full_attention") or {}).get("rope_theta") or d.get("rope_theta") or 1e6)
-        l_theta = float((rp.get("sliding_attention") or {}).get("rope_theta")
-                        or d.get("rope_local_base_freq") or 1e4)
+    if family in _GEMMA:
         kw.update(norm_plus_one=True, sandwich_norms=True, embed_scale=float(d["hidden_size"]) ** 0.5,
-                  activation="gelu_tanh", query_pre_attn_scalar=float(d.get("query_pre_attn_scalar", head_dim)),
+                  query_pre_attn_scalar=float(d.get("query_pre_attn_scalar") or head_dim),
                   attn_softcap=d.get("attn_logit_softcapping"),
-                  final_softcap=d.get("final_logit_softcapping"),
-                  rope_theta=g_theta,
-                  layer_rope_theta=[g_theta if t == "full_attention" else l_theta for t in layer_types])
-        scaling = (rp.get("full_attention") or {})
-        if scaling.get("rope_type") not in (None, "default"):
-            kw["rope_scaling"] = {"type": scaling["rope_type"], "factor": float(scaling.get("factor", 1.0))}
-    if layer_types and window:
-        kw["layer_windows"] = [int(window) if t == "sliding_attention" else None for t in layer_types]
-    elif window and d.get("use_sliding_window", family not in ("qwen2", "qwen3")) and family != "gemma3":
-        kw["layer_windows"] = [int(window)] * n_layers
+                  final_softcap=d.get("final_logit_softcapping"))
+    lt = _layer_types(d, family, n_layers)
+    window = d.get("sliding_window")
+    if family in _QWEN and not d.get("use_sliding_window", False):
+        window = None  # transformers drops sliding_window unless use_sliding_window
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+        raise LongattnError(f"config sliding_window must be a positive integer, got {window!r}")
+    if window and lt is not None:
+        kw["layer_windows"] = [window if t == "sliding_attention" else None for t in lt]
+    elif window and family in _WINDOW_EVERY_LAYER:
+        kw["layer_windows"] = [window] * n_layers
+
+    rp = d.get("rope_parameters")
+    if isinstance(rp, dict) and set(rp) & {"full_attention", "sliding_attention"}:
+        # transformers 5 nests rope bases per layer type (Gemma 3: 1e6 global, 1e4 local)
+        by_type = {}
+        for t in ("full_attention", "sliding_attention"):
+            p = rp.get(t)
+            if p is None and t == "sliding_attention":  # older Gemma 3 fields
+                p = {"rope_theta": d.get("rope_local_base_freq") or 1e4}
+            by_type[t] = _rope(d, p or {})
+        types = lt or ["full_attention"] * n_layers
+        kw["rope_theta"] = by_type["full_attention"][0]
+        kw["rope_scaling"] = by_type["full_attention"][1]
+        kw["layer_rope_theta"] = [by_type[t][0] for t in types]
+        kw["layer_rope_scaling"] = [by_type[t][1] for t in types]
+    elif family == "gemma3":
+        # pre-5 Gemma 3 config: one rope_theta + rope_scaling for global layers, a local base
+        theta, scaling = _rope(d, rp)
+        local = float(d.get("rope_local_base_freq") or 1e4)
+        kw.update(rope_theta=theta, rope_scaling=scaling,
+                  layer_rope_theta=[theta if t == "full_attention" else local for t in lt],
+                  layer_rope_scaling=[scaling if t == "full_attention" else None for t in lt])
+    else:
+        kw["rope_theta"], kw["rope_scaling"] = _rope(d, rp)
     return ModelConfig(**kw)
+
+
+def _split_fused(cfg: ModelConfig, sd: dict) -> dict:
+    """Phi-3 checkpoints store q/k/v as one ``qkv_proj`` ([q; k; v] rows) and gate/up as one
+    ``gate_up_proj`` ([gate; up] rows); split them into the separate projections."""
+    out = {}
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    for k, v in sd.items():
+        if k.endswith("self_attn.qkv_proj.weight"):
+            pre = k[: -len("qkv_proj.weight")]
+            for part, t in zip(("q_proj", "k_proj", "v_proj"), v.split([q, kv, kv])):
+                out[f"{pre}{part}.weight"] = t.contiguous()
+        elif k.endswith("mlp.gate_up_proj.weight"):
+            pre = k[: -len("gate_up_proj.weight")]
+            gate, up = v.chunk(2, dim=0)
+            out[f"{pre}gate_proj.weight"], out[f"{pre}up_proj.weight"] = gate.contiguous(), up.contiguous()
+        else:
+            out[k] = v
+    return out
 
 
 def load_hf_dir(path: Path) -> tuple[ModelConfig, dict]:
@@ -87,4 +193,6 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict]:
             if k.startswith("model.language_model."):
                 k = "model." + k[len("model.language_model."):]
             sd[k] = v.to(torch.float32)
+    if cfg.family == "phi3":
+        sd = _split_fused(cfg, sd)
     return cfg, sd

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from ..errors import LongattnError
-from ..models.rope import apply_rope, rope_cos_sin
+from ..models.rope import apply_rope
 from ..ops.masks import allowed_mask
 from ..policy import AttentionPolicy
 
@@ -31,7 +31,7 @@ def attention_probs(attn, x: torch.Tensor, pos: torch.Tensor, window=None, sinks
     if attn.q_norm is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, D], [B, Hkv, T, D]
-    cos, sin = rope_cos_sin(pos, attn.inv_freq)
+    cos, sin = attn.rope(pos)
     q = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype))
     k = apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
     k = k.repeat_interleave(H // Hkv, dim=1)  # [B, H, T, D]: query head h reads key head h // rep

@@ -1,4 +1,4 @@
-"""A decoder-only transformer for the llama, qwen2, qwen3 and gemma3 families.
+"""A decoder-only transformer for the llama, mistral, qwen2, qwen3, phi3, gemma2 and gemma3 families.
 
 The model never knows which cache or attention policy it runs with: each attention layer
 calls ``cache.update`` (when a cache is given) and the per-layer op the policy hands it.
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..errors import LongattnError
 from ..ops import int8_kernel
-from .rope import apply_rope, inv_freq, rope_cos_sin
+from .rope import SEQ_DEPENDENT, apply_rope, inv_freq, rope_cos_sin, rope_frequencies
 from .weights import (dequantize_int4, dequantize_int8, int4_applies, int4_matmul, int8_matmul, parse_weights,
                       quantize_int4, quantize_int8)
 
@@ -149,16 +149,20 @@ class QuantEmbedding(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False)
+        b = cfg.mlp_bias
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, b)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, b)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, b)
         self.act = (lambda t: F.gelu(t, approximate="tanh")) if cfg.activation == "gelu_tanh" else F.silu
 
     def fuse(self) -> None:
         """Replace gate/up by one [2*I, hidden] projection (one weight read, one call)."""
         w = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data])
-        self.gate_up = Linear(w.shape[1], w.shape[0], False)
+        bias = self.gate_proj.bias is not None
+        self.gate_up = Linear(w.shape[1], w.shape[0], bias)
         self.gate_up.weight.data = w
+        if bias:
+            self.gate_up.bias.data = torch.cat([self.gate_proj.bias.data, self.up_proj.bias.data])
         self.gate_proj = self.up_proj = None
 
     def forward(self, x):
@@ -176,7 +180,7 @@ class Attention(nn.Module):
         self.q_proj = Linear(cfg.hidden_size, self.H * self.D, cfg.qkv_bias)
         self.k_proj = Linear(cfg.hidden_size, self.Hkv * self.D, cfg.qkv_bias)
         self.v_proj = Linear(cfg.hidden_size, self.Hkv * self.D, cfg.qkv_bias)
-        self.o_proj = Linear(self.H * self.D, cfg.hidden_size, False)
+        self.o_proj = Linear(self.H * self.D, cfg.hidden_size, cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.D, cfg.rms_norm_eps, cfg.norm_plus_one)
             self.k_norm = RMSNorm(self.D, cfg.rms_norm_eps, cfg.norm_plus_one)
@@ -184,12 +188,22 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.scale = cfg.attn_scale
         self.softcap = cfg.attn_softcap
-        scaling = cfg.rope_scaling if cfg.layer_windows[layer] is None else None
+        self.rope_theta, self.rope_scaling = cfg.layer_rope_theta[layer], cfg.layer_rope_scaling[layer]
+        self.max_context = cfg.max_context
+        # dynamic / longrope frequencies follow the highest position of each call
+        self.rope_varies = bool(self.rope_scaling) and self.rope_scaling["rope_type"] in SEQ_DEPENDENT
         # layers with equal rope settings share one cos/sin table per forward
-        self.rope_key = (cfg.layer_rope_theta[layer], repr(scaling))
-        self.register_buffer("inv_freq", inv_freq(self.D, cfg.layer_rope_theta[layer], cfg.rope_scaling
-                                                  if cfg.layer_windows[layer] is None else None),
-                             persistent=False)
+        self.rope_key = (self.rope_theta, repr(self.rope_scaling))
+        f, self.rope_factor = rope_frequencies(self.D, self.rope_theta, self.rope_scaling, self.max_context)
+        self.register_buffer("inv_freq", f, persistent=False)  # [D/2] at load (rerotation uses it)
+
+    def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[B, 1, T, D]`` for positions ``pos [B, T]`` (scaling applied)."""
+        if self.rope_varies:
+            f, factor = rope_frequencies(self.D, self.rope_theta, self.rope_scaling, self.max_context,
+                                         seq_len=int(pos.max()) + 1)
+            return rope_cos_sin(pos, f, factor)
+        return rope_cos_sin(pos, self.inv_freq, self.rope_factor)
 
     def fuse(self) -> None:
         """Replace q/k/v by one projection (one weight read and one call per step)."""
@@ -220,7 +234,7 @@ class Attention(nn.Module):
         if rope_cache is not None and self.rope_key in rope_cache:
             cos, sin = rope_cache[self.rope_key]
         else:
-            cos, sin = rope_cos_sin(pos, self.inv_freq)
+            cos, sin = self.rope(pos)
             if rope_cache is not None:
                 rope_cache[self.rope_key] = (cos, sin)
         q = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype))
@@ -358,8 +372,8 @@ def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype = torch.f
     for name, buf in m.named_buffers():  # buffers were on meta: recompute
         layer = int(name.split(".")[2])
         attn = m.model.layers[layer].self_attn
-        attn.inv_freq = inv_freq(cfg.head_dim, cfg.layer_rope_theta[layer],
-                                 cfg.rope_scaling if cfg.layer_windows[layer] is None else None)
+        attn.inv_freq = inv_freq(cfg.head_dim, cfg.layer_rope_theta[layer], cfg.layer_rope_scaling[layer],
+                                 cfg.max_context)
     sd = dict(state_dict)
     if cfg.tie_embeddings:
         sd.pop("lm_head.weight", None)
