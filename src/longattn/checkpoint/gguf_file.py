@@ -89,6 +89,7 @@ def read_gguf_config(reader, path: Path) -> ModelConfig:
         eos_token_ids=[int(eos)] if eos is not None else [],
         name=str(_field(reader, "general.name", path.stem)),
     )
+    kw["rope_scaling"] = _gguf_rope_scaling(reader, arch, path)
     if arch == "gemma3":
         window = int(a("attention.sliding_window", 512))
         glob = [gemma3_layer_is_global(i) for i in range(n_layers)]
@@ -101,6 +102,44 @@ def read_gguf_config(reader, path: Path) -> ModelConfig:
         # Gemma 3's chat turns end with <end_of_turn> (id 106) as well as <eos>.
         kw["eos_token_ids"] = sorted(set(kw["eos_token_ids"]) | {106})
     return ModelConfig(**kw)
+
+
+# {arch}.rope.scaling.* keys longattn reads; any other key under that prefix is refused.
+_ROPE_SCALING_KEYS = ("type", "factor", "original_context_length", "finetuned")
+
+
+def _gguf_rope_scaling(reader, arch: str, path: Path) -> dict | None:
+    """The file's RoPE scaling in models.rope form, or None; refuses what is not implemented.
+
+    - ``rope_freqs.weight`` (llama.cpp's converter writes it for Llama 3 scaling): per-frequency
+      divisors, honoured as ``freq_factors``.
+    - ``{arch}.rope.scaling.type`` "none" or "linear" (with ``.factor``) is honoured; "yarn" and
+      "longrope" are refused (the file does not carry every parameter transformers uses).
+    """
+    prefix = f"{arch}.rope.scaling."
+    keys = [k for k in reader.fields if k.startswith(prefix)]
+    unknown = [k for k in keys if k[len(prefix):] not in _ROPE_SCALING_KEYS]
+    if unknown:
+        raise LongattnError(f"{path.name}: RoPE scaling key {unknown[0]} is not implemented")
+    kind = _field(reader, prefix + "type", "none")
+    factor = _field(reader, prefix + "factor")
+    freqs = [t for t in reader.tensors if t.name == "rope_freqs.weight"]
+    if freqs:
+        if kind not in ("none", None):
+            raise LongattnError(f"{path.name}: rope_freqs.weight together with rope scaling type "
+                                f"'{kind}' is not implemented")
+        factors = np.asarray(freqs[0].data, dtype=np.float32).reshape(-1)
+        return {"rope_type": "freq_factors", "factors": [float(x) for x in factors]}
+    if kind in ("none", None):
+        if factor not in (None, 1.0):
+            raise LongattnError(f"{path.name}: rope scaling factor {factor} without a scaling type")
+        return None
+    if kind == "linear":
+        if factor is None:
+            raise LongattnError(f"{path.name}: linear rope scaling without {prefix}factor")
+        return {"rope_type": "linear", "factor": float(factor)}
+    raise LongattnError(f"{path.name}: RoPE scaling type '{kind}' in a GGUF is not implemented; "
+                        "load the model's HF directory instead")
 
 
 def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -161,7 +200,7 @@ def load_gguf(path: str | os.PathLike, progress=None) -> tuple[ModelConfig, dict
             if cfg.family == "llama" and part in ("attn_q", "attn_k"):
                 w = _unpermute_qk(w, cfg.num_heads if part == "attn_q" else cfg.num_kv_heads)
         elif name == "rope_freqs.weight":
-            continue  # llama-3 style rope scaling factors; not used by bundled models
+            continue  # read into cfg.rope_scaling by read_gguf_config
         else:
             raise LongattnError(f"{path.name}: unexpected tensor '{name}'")
         if cfg.norm_plus_one and key.endswith("norm.weight"):

@@ -25,7 +25,7 @@ from .bundled import resolve_model
 from .digest import content_digest, remember_digest
 from .paths import atomic_dir, cache_root
 
-CONVERTER_VERSION = "2"  # bump when the converted layout changes
+CONVERTER_VERSION = "3"  # bump when the converted layout or config reading changes
 
 
 @dataclass
