@@ -28,11 +28,11 @@ def tiny_hf_config(family: str, **over):
                               Qwen3Config)
     kw = dict(TINY, **({"num_hidden_layers": 6} if family == "gemma3" else {}), **over)
     if family == "llama":
-        return LlamaConfig(rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, **kw)
+        return LlamaConfig(**{"rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, **kw})
     if family == "qwen2":
-        return Qwen2Config(rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, **kw)
+        return Qwen2Config(**{"rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, **kw})
     if family == "qwen3":
-        return Qwen3Config(rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, **kw)
+        return Qwen3Config(**{"rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, **kw})
     if family == "mistral":
         return MistralConfig(**{"sliding_window": 8, "rope_theta": 1e4, "rms_norm_eps": 1e-5, **kw})
     if family == "phi3":

@@ -116,7 +116,8 @@ def read_hf_config(d: dict, name: str = "") -> ModelConfig:
     if family in _GEMMA:
         kw.update(norm_plus_one=True, sandwich_norms=True, embed_scale=float(d["hidden_size"]) ** 0.5,
                   query_pre_attn_scalar=float(d.get("query_pre_attn_scalar") or head_dim),
-                  attn_softcap=d.get("attn_logit_softcapping"),
+                  # transformers' Gemma 3 attention never applies attn_logit_softcapping
+                  attn_softcap=d.get("attn_logit_softcapping") if family == "gemma2" else None,
                   final_softcap=d.get("final_logit_softcapping"))
     lt = _layer_types(d, family, n_layers)
     window = d.get("sliding_window")
