@@ -50,6 +50,9 @@ def _rope(d: dict, params: dict | None) -> tuple[float, dict | None]:
 def _layer_types(d: dict, family: str, n_layers: int) -> list | None:
     """Each layer's "sliding_attention" / "full_attention" as transformers derives it."""
     lt = d.get("layer_types")
+    if lt is not None and family not in _GEMMA + _QWEN:
+        raise LongattnError(f"config has layer_types, which transformers' {family} model does not read; "
+                            "longattn refuses to guess which layers are windowed")
     if lt is None:
         if family == "gemma2":
             lt = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)]
