@@ -64,3 +64,19 @@ def test_gemma2_hybrid_cache_bounds_local_layers():
     ids = torch.randint(0, ours.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(6))
     ours(ids, cache=cache)
     assert cache.layers[0].window == W and cache.layers[1].k.shape[2] >= 40
+
+
+def test_gemma2_cache_command_formula_to_the_byte():
+    """The lab's cache measurement (real cache objects) equals the hybrid-cache formula for
+    Gemma 2's alternation: window slots on local layers, every token on global ones."""
+    from longattn.checkpoint import load_checkpoint
+    from longattn.lab.cachebytes import measure_cache
+    from longattn.policy import AttentionPolicy
+    cfg = load_checkpoint(tiny_dir("gemma2"), with_tokenizer=False).config
+    pol = AttentionPolicy.build(cfg, "checkpoint")
+    per_token = 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    for T in (3, W, 40):
+        r = measure_cache(cfg, pol, T)
+        assert r["held_bytes"] == r["formula_bytes"] == per_token * (2 * min(T, W) + T)
+        if T >= W:
+            assert r["allocated_bytes"] == r["formula_bytes"]
