@@ -42,6 +42,10 @@ def tiny_hf_config(family: str, **over):
     if family == "gemma2":
         return Gemma2Config(**{"sliding_window": 8, "query_pre_attn_scalar": 12, "rms_norm_eps": 1e-6,
                                "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0, **kw})
+    if family == "gpt_oss":
+        from transformers import GptOssConfig
+        return GptOssConfig(**{"sliding_window": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
+                               "intermediate_size": 32, "rms_norm_eps": 1e-5, **kw})
     if family == "gemma3":
         L = kw["num_hidden_layers"]
         return Gemma3TextConfig(

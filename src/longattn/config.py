@@ -1,6 +1,6 @@
 """ModelConfig: everything the model needs to know about a checkpoint, validated.
 
-Family differences (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3) are data here, never branches in the
+Family differences (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3, gpt-oss) are data here, never branches in the
 model's loop. ``layer_windows[i]`` is the sliding window of layer i as trained (``None`` =
 full attention); ``layer_rope_theta[i]`` is that layer's RoPE base.
 """
@@ -13,7 +13,7 @@ from typing import Optional
 
 from .errors import LongattnError
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gpt_oss")
 
 
 @dataclass
@@ -47,6 +47,11 @@ class ModelConfig:
     attn_softcap: Optional[float] = None
     final_softcap: Optional[float] = None
     tie_embeddings: bool = False
+    learned_sinks: bool = False        # gpt-oss: a learned logit per head joins each softmax denominator
+    num_experts: int = 0               # > 0: gpt-oss routed MLP of this many experts
+    experts_per_token: int = 0         # experts each token is routed to (top-k)
+    swiglu_alpha: float = 1.702        # gpt-oss expert activation: gate * sigmoid(alpha * gate)
+    swiglu_limit: float = 7.0          # gpt-oss expert activation clamp
     rope_scaling: Optional[dict] = None  # models.rope form, e.g. {"rope_type": "linear", "factor": 8.0}
     bos_token_id: Optional[int] = None
     eos_token_ids: list = field(default_factory=list)
@@ -101,6 +106,9 @@ class ModelConfig:
         for w in self.layer_windows:
             if w is not None and (not isinstance(w, int) or w <= 0):
                 bad(f"layer window {w!r} must be a positive integer or None")
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            bad(f"experts_per_token ({self.experts_per_token}) must be between 1 and num_experts "
+                f"({self.num_experts})")
         if self.activation not in ("silu", "gelu_tanh"):
             bad(f"unknown activation '{self.activation}'")
 

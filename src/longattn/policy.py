@@ -84,6 +84,10 @@ class WindowOp:
     ``fused_decode=False`` keeps the matmul form (its reference).
     """
 
+    # Learned per-head sink logits (gpt-oss) are honoured: they take the masked path, since
+    # the fused decode kernel, the banded prefill and the causal kernel have no term for them.
+    learned_sinks = True
+
     def __init__(self, lp: LayerPolicy, banded_min_tokens: Optional[int] = None,
                  masks: Optional[MaskMemo] = None, fused_decode: bool = True):
         self.lp = lp
@@ -91,8 +95,11 @@ class WindowOp:
         self.masks = masks if masks is not None else MaskMemo()
         self.fused_decode = fused_decode and native.available()
 
-    def __call__(self, q, q_pos, k, v, k_pos, scale, softcap=None, layer=0, cache=None):
+    def __call__(self, q, q_pos, k, v, k_pos, scale, softcap=None, layer=0, cache=None, sink_logits=None):
         lp = self.lp
+        if sink_logits is not None:
+            mask = self.masks.mask(q_pos, k_pos, lp.window, lp.sinks)
+            return masked_attention(q, k, v, mask, scale, softcap, sink_logits)
         if self.fused_decode and q.shape[2] == 1 and softcap is None and \
                 q.dtype == k.dtype == v.dtype == torch.float32:
             none = k[:, :, :0]  # no separate own key: the cache already holds it

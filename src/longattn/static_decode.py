@@ -283,6 +283,9 @@ class StaticDecoder:
             raise LongattnError(f"the static decoder runs window/dense/sparse layers only, not {bad}; "
                                 "use the eager Session for these")
         cfg = model.config
+        if cfg.learned_sinks:
+            raise LongattnError("the static decoder's step has no term for learned sink logits (gpt-oss); "
+                                "decode this model with the eager Session (no --compile)")
         if "sparse" in kinds and cfg.attn_softcap is not None:
             raise LongattnError("sparse layers with score soft-capping run in the eager Session only")
         from .sparse import SCSAConfig

@@ -17,7 +17,7 @@ from ..errors import LongattnError
 
 # config.json model_type -> longattn family
 _FAMILY = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-           "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3"}
+           "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "gpt_oss": "gpt_oss"}
 # hidden_act / hidden_activation -> ModelConfig.activation
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _GEMMA = ("gemma2", "gemma3")
@@ -50,11 +50,11 @@ def _rope(d: dict, params: dict | None) -> tuple[float, dict | None]:
 def _layer_types(d: dict, family: str, n_layers: int) -> list | None:
     """Each layer's "sliding_attention" / "full_attention" as transformers derives it."""
     lt = d.get("layer_types")
-    if lt is not None and family not in _GEMMA + _QWEN:
+    if lt is not None and family not in _GEMMA + _QWEN + ("gpt_oss",):
         raise LongattnError(f"config has layer_types, which transformers' {family} model does not read; "
                             "longattn refuses to guess which layers are windowed")
     if lt is None:
-        if family == "gemma2":
+        if family in ("gemma2", "gpt_oss"):
             lt = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)]
         elif family == "gemma3":
             pattern = int(d.get("sliding_window_pattern", 6))
@@ -99,7 +99,7 @@ def read_hf_config(d: dict, name: str = "") -> ModelConfig:
         raise LongattnError(f"activation '{act_name}' is not implemented; longattn runs "
                             f"{', '.join(_ACTIVATIONS)}")
     eos = d.get("eos_token_id")
-    attn_bias = bool(d.get("attention_bias", False))
+    attn_bias = bool(d.get("attention_bias", family == "gpt_oss"))
     kw = dict(
         family=family, vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
         intermediate_size=int(d["intermediate_size"]), num_layers=n_layers, num_heads=n_heads,
@@ -122,6 +122,10 @@ def read_hf_config(d: dict, name: str = "") -> ModelConfig:
                   # transformers' Gemma 3 attention never applies attn_logit_softcapping
                   attn_softcap=d.get("attn_logit_softcapping") if family == "gemma2" else None,
                   final_softcap=d.get("final_logit_softcapping"))
+    if family == "gpt_oss":
+        kw.update(learned_sinks=True, num_experts=int(d.get("num_local_experts", 128)),
+                  experts_per_token=int(d.get("num_experts_per_tok", 4)),
+                  swiglu_alpha=float(d.get("swiglu_alpha", 1.702)), swiglu_limit=float(d.get("swiglu_limit", 7.0)))
     lt = _layer_types(d, family, n_layers)
     window = d.get("sliding_window")
     if family in _QWEN and not d.get("use_sliding_window", False):
@@ -134,6 +138,9 @@ def read_hf_config(d: dict, name: str = "") -> ModelConfig:
         kw["layer_windows"] = [window] * n_layers
 
     rp = d.get("rope_parameters")
+    if family == "gpt_oss" and rp is None and not d.get("rope_scaling"):
+        raise LongattnError("gpt_oss config.json has neither rope_parameters nor rope_scaling; longattn "
+                            "does not guess transformers' default yarn parameters")
     if isinstance(rp, dict) and set(rp) & {"full_attention", "sliding_attention"}:
         # transformers 5 nests rope bases per layer type (Gemma 3: 1e6 global, 1e4 local)
         by_type = {}

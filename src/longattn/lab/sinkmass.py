@@ -26,6 +26,9 @@ from ..policy import AttentionPolicy
 def attention_probs(attn, x: torch.Tensor, pos: torch.Tensor, window=None, sinks: int = 0) -> torch.Tensor:
     """Probabilities ``[B, H, T, T]`` (float64) of one ``Attention`` module on its input ``x [B, T, hidden]``."""
     B, T, _ = x.shape
+    if attn.sinks is not None:
+        raise LongattnError("sink mass is measured over cached tokens; this model's learned sink logits "
+                            "(gpt-oss) take a share of each softmax that no token holds")
     H, Hkv, D = attn.H, attn.Hkv, attn.D
     q, k, _ = attn.project_qkv(x)  # [B, T, H, D], [B, T, Hkv, D]
     if attn.q_norm is not None:

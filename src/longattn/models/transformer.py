@@ -1,4 +1,4 @@
-"""A decoder-only transformer for the llama, mistral, qwen2, qwen3, phi3, gemma2 and gemma3 families.
+"""A decoder-only transformer for the llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3 and gpt_oss families.
 
 The model never knows which cache or attention policy it runs with: each attention layer
 calls ``cache.update`` (when a cache is given) and the per-layer op the policy hands it.
@@ -172,6 +172,52 @@ class MLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
+class Experts(nn.Module):
+    """gpt-oss expert weights as the checkpoint stores them: ``gate_up_proj [E, hidden, 2I]``
+    (gate and up interleaved along the last axis), ``down_proj [E, I, hidden]``, and biases."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E, Hd, I = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, Hd, 2 * I), requires_grad=False)
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * I), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(E, I, Hd), requires_grad=False)
+        self.down_proj_bias = nn.Parameter(torch.empty(E, Hd), requires_grad=False)
+
+
+class MoEMLP(nn.Module):
+    """gpt-oss's routed MLP: a biased router picks the top-k experts per token, their outputs
+    are mixed by the softmax of the k router logits. Each expert is a clamped SwiGLU:
+    ``(clamp(up) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.router = Linear(cfg.hidden_size, cfg.num_experts, True)
+        self.experts = Experts(cfg)
+        self.top_k, self.alpha, self.limit = cfg.experts_per_token, cfg.swiglu_alpha, cfg.swiglu_limit
+
+    def fuse(self) -> None:
+        """Nothing to fuse: each expert is one matmul pair already."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [B, T, hidden]`` -> ``[B, T, hidden]``."""
+        B, T, Hd = x.shape
+        h = x.reshape(-1, Hd)  # [N, hidden]
+        top, idx = torch.topk(self.router(h), self.top_k, dim=-1)  # [N, k]
+        w = torch.softmax(top, dim=-1)
+        ex = self.experts
+        out = torch.zeros_like(h)
+        for e in idx.unique().tolist():
+            tok, slot = torch.where(idx == e)  # the tokens routed to expert e, and in which slot
+            gu = h[tok] @ ex.gate_up_proj[e].to(h.dtype) + ex.gate_up_proj_bias[e].to(h.dtype)
+            gate = gu[..., ::2].clamp(max=self.limit)
+            up = gu[..., 1::2].clamp(min=-self.limit, max=self.limit)
+            y = ((up + 1) * gate * torch.sigmoid(gate * self.alpha)) @ ex.down_proj[e].to(h.dtype)
+            y = y + ex.down_proj_bias[e].to(h.dtype)
+            out.index_add_(0, tok, y * w[tok, slot, None])
+        return out.reshape(B, T, Hd)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -188,6 +234,8 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.scale = cfg.attn_scale
         self.softcap = cfg.attn_softcap
+        # gpt-oss: one learned logit per query head in every softmax denominator
+        self.sinks = nn.Parameter(torch.zeros(self.H), requires_grad=False) if cfg.learned_sinks else None
         self.rope_theta, self.rope_scaling = cfg.layer_rope_theta[layer], cfg.layer_rope_scaling[layer]
         self.max_context = cfg.max_context
         # dynamic / longrope frequencies follow the highest position of each call
@@ -243,8 +291,16 @@ class Attention(nn.Module):
             k_all, v_all, k_pos = cache.update(self.layer, k, v, pos)
         else:
             k_all, v_all, k_pos = k, v, pos
-        o = op(q, pos, k_all, v_all, k_pos, scale=self.scale, softcap=self.softcap,
-               layer=self.layer, cache=cache)  # [B, H, T, D]
+        if self.sinks is None:
+            o = op(q, pos, k_all, v_all, k_pos, scale=self.scale, softcap=self.softcap,
+                   layer=self.layer, cache=cache)  # [B, H, T, D]
+        else:
+            if not getattr(op, "learned_sinks", False):
+                raise LongattnError(f"attention op {type(op).__name__} has no term for this model's learned "
+                                    "sink logits (gpt-oss); run it with a window, checkpoint or dense policy "
+                                    "in the eager engine")
+            o = op(q, pos, k_all, v_all, k_pos, scale=self.scale, softcap=self.softcap,
+                   layer=self.layer, cache=cache, sink_logits=self.sinks)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.H * self.D))
 
 
@@ -253,7 +309,7 @@ class Block(nn.Module):
         super().__init__()
         eps, p1 = cfg.rms_norm_eps, cfg.norm_plus_one
         self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        self.mlp = MoEMLP(cfg) if cfg.num_experts else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, p1)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, p1)
         self.sandwich = cfg.sandwich_norms

@@ -36,7 +36,8 @@ def small_query_attention(q, k, v, mask, scale):
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                     scale: float, softcap: float | None = None) -> torch.Tensor:
+                     scale: float, softcap: float | None = None,
+                     sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped-query attention under a boolean mask.
 
     Args:
@@ -44,12 +45,13 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         mask: bool ``[B, 1, Tq, Tk]`` (True = may read).
         scale: score multiplier.
         softcap: Gemma-2 style score soft-capping; falls back to the explicit path.
+        sink_logits: ``[H]`` learned per-head sink logits (gpt-oss); the explicit path too.
     Returns:
         ``[B, H, Tq, D]``; rows with no readable key (padding queries) are zero.
     """
-    if softcap is not None:
+    if softcap is not None or sink_logits is not None:
         from .reference import reference_attention
-        return reference_attention(q, k, v, mask, scale, softcap)
+        return reference_attention(q, k, v, mask, scale, softcap, sink_logits)
     H, Hkv = q.shape[1], k.shape[1]
     if q.shape[2] <= SMALL_QUERY:
         return small_query_attention(q, k, v, mask, scale)

@@ -10,7 +10,8 @@ import torch
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                        scale: float, softcap: float | None = None) -> torch.Tensor:
+                        scale: float, softcap: float | None = None,
+                        sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(mask(q k^T * scale)) v with grouped-query heads.
 
     Args:
@@ -18,6 +19,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
         mask: bool, broadcastable to ``[B, H, Tq, Tk]``; True = may read.
         scale: multiplier on q.k (usually ``D ** -0.5``).
         softcap: if set, scores become ``softcap * tanh(scores / softcap)``.
+        sink_logits: ``[H]`` learned per-head logits (gpt-oss): each joins its head's softmax
+            denominator as one more score whose value row is zero.
     Returns:
         ``[B, H, Tq, D]``; rows with no readable key are zero.
     """
@@ -31,6 +34,11 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
         s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~mask, float("-inf"))
     any_ok = mask.any(dim=-1, keepdim=True)
-    p = torch.softmax(s.masked_fill(~any_ok, 0.0), dim=-1)
+    s = s.masked_fill(~any_ok, 0.0)
+    if sink_logits is not None:
+        sink = sink_logits.to(s.dtype).view(1, H, 1, 1).expand(B, H, Tq, 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]  # the sink's share dropped
+    else:
+        p = torch.softmax(s, dim=-1)
     p = p * any_ok
     return torch.matmul(p, v)
