@@ -13,7 +13,7 @@ from conftest import tiny_model
 from longattn.cache import KVCache
 from longattn.session import Session
 
-FAMILIES = ["llama", "qwen2", "qwen3", "gemma3"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gpt_oss"]
 
 
 def _paths(model, ids, chunk):
