@@ -17,6 +17,25 @@ GEMMA3_LOCAL_ROPE_THETA = 10000.0  # rope base on sliding (local) layers
 def gemma3_layer_is_global(i: int) -> bool:
     return (i + 1) % GEMMA3_GLOBAL_EVERY == 0
 
+
+# Gemma 2 GGUF files store the window and both soft-caps, but neither the layer pattern, the
+# rope base nor query_pre_attn_scalar. transformers' ``Gemma2Config`` supplies the first two
+# (``layer_types[i] = "sliding_attention" if (i + 1) % 2 else "full_attention"``, i.e. even
+# layers local; ``rope_theta = 10000.0``; ``sliding_window = 4096`` if the file lacks it). The published configs give query_pre_attn_scalar:
+# head_dim (256) for gemma-2-2b and -9b, hidden_size / heads (4608 / 32 = 144) for
+# gemma-2-27b, the 46-layer model -- the same rule llama.cpp's Gemma 2 loader applies.
+GEMMA2_ROPE_THETA = 10000.0
+GEMMA2_WINDOW = 4096  # Gemma2Config.sliding_window, for a file without attention.sliding_window
+GEMMA2_27B_LAYERS = 46
+
+
+def gemma2_layer_is_global(i: int) -> bool:
+    return i % 2 == 1
+
+
+def gemma2_query_pre_attn_scalar(num_layers: int, hidden: int, heads: int, head_dim: int) -> float:
+    return float(hidden // heads) if num_layers == GEMMA2_27B_LAYERS else float(head_dim)
+
 # The Gemma 3 GGUF carries no ``tokenizer.chat_template``. Gemma's published turn format
 # (model card "Prompt format"): each turn is ``<start_of_turn>{role}\n{text}<end_of_turn>\n``
 # with roles "user" and "model", after <bos>; generation starts after ``<start_of_turn>model\n``.

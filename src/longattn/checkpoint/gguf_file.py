@@ -3,8 +3,9 @@
 What the GGUF converter changed and we undo here:
 - llama: Q and K rows are permuted so GGML can rotate adjacent pairs; we permute them
   back to the half-split (NeoX) layout the HF model uses. Proven by logits in the tests.
-- gemma3: RMSNorm weights are stored as (1 + w); we subtract 1 so the model applies
+- gemma2, gemma3: RMSNorm weights are stored as (1 + w); we subtract 1 so the model applies
   (1 + w) exactly once, as the HF checkpoint does.
+- phi3: q/k/v and gate/up stay fused in the file; they are split as for the HF checkpoint.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import LongattnError
-from .family_gaps import GEMMA3_LOCAL_ROPE_THETA, gemma3_layer_is_global
+from .family_gaps import (GEMMA2_ROPE_THETA, GEMMA2_WINDOW, GEMMA3_LOCAL_ROPE_THETA, gemma2_layer_is_global,
+                          gemma2_query_pre_attn_scalar, gemma3_layer_is_global)
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -27,7 +29,9 @@ _LAYER_NAMES = {
     "attn_k_norm": "self_attn.k_norm", "attn_norm": "input_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
-# Gemma 3 has four norms per block; llama/qwen have two.
+# Phi-3 keeps q/k/v and gate/up fused (as its HF checkpoint does; hf_dir splits them).
+_LAYER_NAMES_PHI3 = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Gemma 2 and 3 have four norms per block; llama/qwen/phi3 have two.
 _NORMS_PLAIN = {"ffn_norm": "post_attention_layernorm"}
 _NORMS_GEMMA3 = {"post_attention_norm": "post_attention_layernorm",
                  "ffn_norm": "pre_feedforward_layernorm",
@@ -70,7 +74,11 @@ def read_gguf_config(reader, path: Path) -> ModelConfig:
         n_kv = max(n_kv)
     n_kv = int(n_kv)
     head_dim = int(a("attention.key_length", 0) or (hidden // n_heads if n_heads else 0))
-    theta = float(a("rope.freq_base", 10000.0))
+    theta = float(a("rope.freq_base", GEMMA2_ROPE_THETA if arch == "gemma2" else 10000.0))
+    rot = a("rope.dimension_count")
+    if rot is not None and int(rot) != head_dim:
+        raise LongattnError(f"{path.name}: rope on {rot} of {head_dim} head dimensions (partial rotary) "
+                            "is not implemented")
     names = {t.name for t in reader.tensors}
     vocab = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields \
         else int(a("vocab_size"))
@@ -90,6 +98,16 @@ def read_gguf_config(reader, path: Path) -> ModelConfig:
         name=str(_field(reader, "general.name", path.stem)),
     )
     kw["rope_scaling"] = _gguf_rope_scaling(reader, arch, path)
+    window = a("attention.sliding_window")
+    if arch == "phi3" and window:  # 0 = no window (Phi-4 files)
+        kw["layer_windows"] = [int(window)] * n_layers
+    if arch == "gemma2":
+        glob = [gemma2_layer_is_global(i) for i in range(n_layers)]
+        kw.update(
+            norm_plus_one=True, sandwich_norms=True, embed_scale=hidden ** 0.5, activation="gelu_tanh",
+            query_pre_attn_scalar=gemma2_query_pre_attn_scalar(n_layers, hidden, n_heads, head_dim),
+            attn_softcap=a("attn_logit_softcapping"), final_softcap=a("final_logit_softcapping"),
+            layer_windows=[None if g else int(window or GEMMA2_WINDOW) for g in glob])
     if arch == "gemma3":
         window = int(a("attention.sliding_window", 512))
         glob = [gemma3_layer_is_global(i) for i in range(n_layers)]
@@ -181,7 +199,8 @@ def load_gguf(path: str | os.PathLike, progress=None) -> tuple[ModelConfig, dict
         raise
     except Exception as e:
         raise LongattnError(f"{path.name}: incomplete GGUF metadata ({type(e).__name__}: {e})") from None
-    norms = _NORMS_GEMMA3 if cfg.family == "gemma3" else _NORMS_PLAIN
+    norms = _NORMS_GEMMA3 if cfg.family in ("gemma2", "gemma3") else _NORMS_PLAIN
+    layer_names = {**_LAYER_NAMES, **(_LAYER_NAMES_PHI3 if cfg.family == "phi3" else {})}
     sd: dict = {}
     tensors = iter_gguf_tensors(reader)
     for name, w in (progress(tensors, total=len(reader.tensors)) if progress else tensors):
@@ -193,7 +212,7 @@ def load_gguf(path: str | os.PathLike, progress=None) -> tuple[ModelConfig, dict
             key = "lm_head.weight"
         elif name.startswith("blk."):
             _, i, part, kind = name.split(".", 3)
-            mapped = _LAYER_NAMES.get(part) or norms.get(part)
+            mapped = layer_names.get(part) or norms.get(part)
             if mapped is None:
                 raise LongattnError(f"{path.name}: unexpected tensor '{name}' for {cfg.family}")
             key = f"model.layers.{i}.{mapped}.{kind}"
@@ -201,9 +220,15 @@ def load_gguf(path: str | os.PathLike, progress=None) -> tuple[ModelConfig, dict
                 w = _unpermute_qk(w, cfg.num_heads if part == "attn_q" else cfg.num_kv_heads)
         elif name == "rope_freqs.weight":
             continue  # read into cfg.rope_scaling by read_gguf_config
+        elif name.startswith("rope_factors_"):
+            raise LongattnError(f"{path.name}: long-context rope factors ({name}) are not implemented in "
+                                "GGUF files; load the model's HF directory instead")
         else:
             raise LongattnError(f"{path.name}: unexpected tensor '{name}'")
         if cfg.norm_plus_one and key.endswith("norm.weight"):
             w = w - 1.0
         sd[key] = w
+    if cfg.family == "phi3":
+        from .hf_dir import split_fused
+        sd = split_fused(cfg, sd)
     return cfg, sd

@@ -166,7 +166,7 @@ def read_hf_config(d: dict, name: str = "") -> ModelConfig:
     return ModelConfig(**kw)
 
 
-def _split_fused(cfg: ModelConfig, sd: dict) -> dict:
+def split_fused(cfg: ModelConfig, sd: dict) -> dict:
     """Phi-3 checkpoints store q/k/v as one ``qkv_proj`` ([q; k; v] rows) and gate/up as one
     ``gate_up_proj`` ([gate; up] rows); split them into the separate projections."""
     out = {}
@@ -205,5 +205,5 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict]:
                 k = "model." + k[len("model.language_model."):]
             sd[k] = v.to(torch.float32)
     if cfg.family == "phi3":
-        sd = _split_fused(cfg, sd)
+        sd = split_fused(cfg, sd)
     return cfg, sd
