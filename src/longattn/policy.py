@@ -163,8 +163,8 @@ class AttentionPolicy:
     masks: MaskMemo = field(default_factory=MaskMemo, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        if any(lp.kind == "sparse" for lp in self.layers):
-            from . import sparse_policy  # noqa: F401  (registers the "sparse" kind)
+        # Kinds register themselves where they are defined (longattn.sparse_policy registers
+        # "sparse"; only its builders make sparse layers), so this module knows none of them.
         self.ops = []
         for lp in self.layers:
             check_int("window", lp.window, allow_none=True)
