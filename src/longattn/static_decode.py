@@ -13,8 +13,8 @@ plus one "bin" slot per layer where padding tokens are written and which is neve
 over the slots of its buffer that ``allowed_mask``'s rule admits (decided from the slot
 positions; by default inside longattn's fused C++ kernel, ops/csrc/decode_attention.cpp) plus
 the step's own new key, in one softmax, and returns the new keys; they are written by index
-(``scatter_``, one per group) after the step. (Written inside the graph, inductor copied every buffer
-whole on every step.) Shapes never change and nothing branches on tensor values: one graph
+(``scatter_``, one per group) after the step. (Written inside the graph, inductor would copy every
+buffer whole on every step.) Shapes never change and nothing branches on tensor values: one graph
 for the whole decode, no recompilation (tests/test_static_decode.py counts them).
 
 Sparse (SCSA) layers keep full-attention buffers and call one opaque custom op
@@ -43,10 +43,9 @@ from .static_sparse import SparseState, StaticSparseOp
 
 
 RECOMPILE_LIMIT = 256
-# Inductor's C++ wrapper calls the step's ~300 kernels and extern ops from C++ instead of one
-# Python line each: SmolLM2-135M int8 at 128 tokens of context 16.3 -> 12.9 ms a step (one
-# process, alternated); unchanged at a 1,028-slot ring (19.7 ms both). The price is compile
-# time (about 2x cold; inductor's on-disk cache makes later runs fast).
+# Inductor's C++ wrapper calls the step's kernels and extern ops from C++ instead of one Python
+# line each, which takes the per-kernel Python overhead out of every step. The price is a
+# longer cold compile (inductor's on-disk cache makes later runs fast).
 DEFAULT_INDUCTOR_OPTIONS = {"cpp_wrapper": True}
 
 
@@ -268,8 +267,7 @@ class StaticDecoder:
             mask decided from positions inline; float32 buffers without a softcap, else it
             reads by "matmul"), "matmul" (two batched matmuls and a softmax, fused by
             inductor) or "flash" (ATen's blocked CPU flash kernel, then the step's own key
-            merged in closed form; softcap layers read by matmul). Measured on SmolLM2-135M
-            int8: flash 3% slower than matmul at 128 tokens, 15% slower over a 1,028-slot ring.
+            merged in closed form; softcap layers read by matmul).
     """
 
     def __init__(self, model, policy: Optional[AttentionPolicy] = None, batch: int = 1,
@@ -301,11 +299,10 @@ class StaticDecoder:
         """torch.compile of this decoder's own copy of ``_step_eager``.
 
         Dynamo keeps its compiled graphs on the code object, so with one shared code object
-        every decoder's step had to check guards on every parameter of every model (0.9-1.3 ms
-        per SmolLM2 step) to find its graph. A private code object holds only this decoder's
-        graphs, so the guards on the model's parameters and buffers can be skipped (measured
-        17.0 -> 15.5 ms a step). The price: the model must not be changed (weights replaced,
-        re-quantized) once the decoder has compiled; build a new decoder instead.
+        every decoder's step would check guards on every parameter of every model to find its
+        graph. A private code object holds only this decoder's graphs, so the guards on the
+        model's parameters and buffers can be skipped. The price: the model must not be changed
+        (weights replaced, re-quantized) once the decoder has compiled; build a new decoder instead.
         """
         fn = StaticDecoder._step_eager
         private = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)

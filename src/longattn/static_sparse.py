@@ -45,7 +45,7 @@ class SparseState:
 
     def positions(self, n: int) -> torch.Tensor:
         """``[1, n]`` int64 positions 0..n-1 (a view of one growing tensor: the dense route
-        needs them every step, and a fresh arange per layer and step cost ~15 us at 2K rows)."""
+        needs them every step, and a fresh arange per layer and step is avoidable work)."""
         if self._positions.shape[1] < n:
             self._positions = torch.arange(max(n, 2 * self._positions.shape[1])).unsqueeze(0)
         return self._positions[:, :n]
@@ -70,9 +70,9 @@ class SparseState:
 
 
 # The op is defined on a Library with a plain CPU kernel rather than through
-# torch.library.custom_op, whose Python wrappers (autograd, alias checks on the output) cost
-# ~30 us a call around this body: ~0.7 ms of a 24-layer step. No autograd here (decode runs
-# under no_grad); the output never aliases an input (attend returns a new tensor).
+# torch.library.custom_op, whose Python wrappers (autograd, alias checks on the output) run on
+# every call of every sparse layer. Neither is needed: decode runs under no_grad, and the output
+# never aliases an input (attend returns a new tensor).
 _LIB = torch.library.Library("longattn", "FRAGMENT")
 _LIB.define("scsa_step(Tensor q, Tensor k, Tensor v, Tensor q_pos, Tensor k_new, Tensor v_new, int key, "
             "int layer, float scale) -> Tensor")
@@ -99,9 +99,8 @@ def scsa_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
 
 def _stream(state: SparseState, b: int, q, k, v, n: int, k_new, v_new, layer: int, scale: float) -> torch.Tensor:
     """``scsa_step`` for stream ``b`` at position ``n``: q ``[1, H, 1, D]``, k, v ``[1, Hkv, S, D]``,
-    k_new, v_new ``[1, Hkv, 1, D]``. Views are taken per stream only where there are several:
-    the Python around a layer call at 32K was ~120 us over the kernel (~3 ms of a 24-layer
-    step); with this, the op's plain registration and SCSALayer's decode-loop shortcut ~60 us."""
+    k_new, v_new ``[1, Hkv, 1, D]``. Views are taken per stream only where there are several,
+    because the Python around the kernel runs once per sparse layer and step."""
     if n < 0:
         return torch.zeros_like(q)
     # write-ahead of the step's own key and value (see the module docstring): idempotent
