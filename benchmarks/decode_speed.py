@@ -54,9 +54,9 @@ from longattn.models import build_model
 from longattn.models.weights import parse_recipe
 from longattn.ops import int8_kernel
 from longattn.policy import AttentionPolicy
-from longattn.sampling import greedy
-from longattn.session import Session
-from longattn.static_decode import StaticDecoder
+from longattn.engine.sampling import greedy
+from longattn.engine.session import Session
+from longattn.engine.static_step import StaticDecoder
 
 from common import RESULTS, write_result
 WINDOW, SINKS = 1024, 4
@@ -100,7 +100,7 @@ def sparse_policy(cfg) -> AttentionPolicy:
     and calibration each time: library defaults but for the group error metric (the SCSA
     tables' setting) and no minimum context."""
     from longattn.sparse import SCSAConfig
-    from longattn.sparse_policy import build_sparse_policy
+    from longattn.sparse.policy import build_sparse_policy
     return build_sparse_policy(cfg, SCSAConfig(min_context=0, calib_metric="group"))
 
 

@@ -46,8 +46,8 @@ from longattn.ops import native
 from longattn.policy import AttentionPolicy
 from longattn.sparse import SCSAConfig, SCSALayer
 from longattn.sparse.index import ClusterIndex
-from longattn.sparse_policy import build_sparse_policy
-from longattn.static_decode import StaticDecoder
+from longattn.sparse.policy import build_sparse_policy
+from longattn.engine.static_step import StaticDecoder
 
 
 from common import RESULTS, load_model, prefix_cache, truncate, write_result

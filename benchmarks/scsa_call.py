@@ -45,7 +45,7 @@ from longattn.ops import native
 from longattn.sparse import SCSAConfig, SCSALayer
 from longattn.sparse import layer as layer_mod
 from longattn.sparse.synthetic import synthetic_cache
-from longattn.static_sparse import SparseState
+from longattn.sparse.static_op import SparseState
 
 from common import RESULTS, write_result
 H, HKV, D = 14, 2, 64

@@ -36,8 +36,8 @@ from longattn.host import cpu_description
 from longattn.ops import native
 from longattn.policy import AttentionPolicy
 from longattn.sparse import SCSAConfig
-from longattn.sparse_policy import build_sparse_policy, sparse_ops
-from longattn.static_decode import StaticDecoder
+from longattn.sparse.policy import build_sparse_policy, sparse_ops
+from longattn.engine.static_step import StaticDecoder
 
 from common import RESULTS, extend_prefix, load_model, prefix_cache, truncate, write_result
 

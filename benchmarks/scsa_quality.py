@@ -58,7 +58,7 @@ from longattn.policy import AttentionPolicy
 from longattn.sparse import SCSAConfig
 from longattn.sparse.kernel import Selection
 from longattn.sparse.layer import SCSALayer
-from longattn.sparse_policy import build_sparse_policy, policy_taus, preset_taus, retune, sparse_ops
+from longattn.sparse.policy import build_sparse_policy, policy_taus, preset_taus, retune, sparse_ops
 
 from common import RESULTS, write_result
 RETRIEVAL_TASKS = ("passkey", "niah_multikey_1", "vt")

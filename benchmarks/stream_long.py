@@ -25,7 +25,7 @@ from longattn.checkpoint import load_checkpoint
 from longattn.data import all_books_text
 from longattn.models import build_model
 from longattn.policy import AttentionPolicy
-from longattn.stream import stream_score
+from longattn.lab.stream import stream_score
 
 
 def main():

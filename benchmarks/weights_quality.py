@@ -32,7 +32,7 @@ from longattn.data import book_body, book_names
 from longattn.lab.plots import progress_bar
 from longattn.models import build_model, transformer
 from longattn.models.weights import parse_recipe
-from longattn.stream import nll_bits
+from longattn.lab.stream import nll_bits
 
 
 def passages(tok, n_tokens: int, count: int) -> list:

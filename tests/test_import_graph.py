@@ -96,7 +96,7 @@ def test_cycle_finder_finds_a_planted_cycle():
 def test_graph_sees_function_level_imports():
     g = import_graph()
     # cli/common.py imports the sparse wiring inside a function only
-    assert "longattn.sparse_policy" in g["longattn.cli.common"]
+    assert "longattn.sparse.policy" in g["longattn.cli.common"]
 
 
 def test_no_import_cycles():

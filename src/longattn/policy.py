@@ -163,7 +163,7 @@ class AttentionPolicy:
     masks: MaskMemo = field(default_factory=MaskMemo, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        # Kinds register themselves where they are defined (longattn.sparse_policy registers
+        # Kinds register themselves where they are defined (longattn.sparse.policy registers
         # "sparse"; only its builders make sparse layers), so this module knows none of them.
         self.ops = []
         for lp in self.layers:

@@ -1,6 +1,6 @@
 """SCSA inside the static decode step: one opaque custom op per sparse layer.
 
-The static step (static_decode.py) is one fixed-shape graph; SCSA's index is not (clusters grow,
+The static step (engine/static_step.py) is one fixed-shape graph; SCSA's index is not (clusters grow,
 blocks freeze every few hundred tokens, the first decode steps calibrate). So a sparse layer
 calls ``longattn::scsa_step``, a custom op whose body runs in Python at run time: compiled or
 not, the graph only sees ``[B, H, 1, D] -> [B, H, 1, D]``. Behind it, each (layer, stream)
@@ -23,8 +23,9 @@ import weakref
 
 import torch
 
-from .policy import LayerPolicy, WindowOp
-from .sparse import SCSAConfig, SCSALayer
+from ..policy import LayerPolicy, WindowOp
+from .config import SCSAConfig
+from .layer import SCSALayer
 
 _STATES: "weakref.WeakValueDictionary[int, SparseState]" = weakref.WeakValueDictionary()
 _KEYS = itertools.count()

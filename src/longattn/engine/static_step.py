@@ -18,7 +18,7 @@ buffer whole on every step.) Shapes never change and nothing branches on tensor 
 for the whole decode, no recompilation (tests/test_static_decode.py counts them).
 
 Sparse (SCSA) layers keep full-attention buffers and call one opaque custom op
-(static_sparse.py): the index, calibration and selection run behind it at run time, so the
+(sparse/static_op.py): the index, calibration and selection run behind it at run time, so the
 step stays one graph.
 
 Prefill runs through an ordinary eager Session (chunked, banded where it pays) and its cache
@@ -33,13 +33,13 @@ from typing import Optional
 
 import torch
 
-from .cache.ring import ring_slot
-from .errors import LongattnError
-from .ops import native
-from .ops.masks import allowed_mask
-from .policy import AttentionPolicy
+from ..cache.ring import ring_slot
+from ..errors import LongattnError
+from ..ops import native
+from ..ops.masks import allowed_mask
+from ..policy import AttentionPolicy
 from .session import Session
-from .static_sparse import SparseState, StaticSparseOp
+from ..sparse.static_op import SparseState, StaticSparseOp
 
 
 RECOMPILE_LIMIT = 256
@@ -254,7 +254,7 @@ class StaticDecoder:
         model: a Transformer (any weight format).
         policy: AttentionPolicy of "window" layers (dense, windows, sinks; default the
             checkpoint's windows) and "sparse" layers (SCSA, one SCSALayer per layer and
-            stream in ``self.sparse``; see static_sparse.py). Re-indexing needs the eager
+            stream in ``self.sparse``; see sparse/static_op.py). Re-indexing needs the eager
             Session.
         batch: streams. max_len: positions a stream may reach (prompt + new tokens).
         compile: ``torch.compile`` the step (inductor, static shapes, one graph).
@@ -283,7 +283,7 @@ class StaticDecoder:
         cfg = model.config
         if "sparse" in kinds and cfg.attn_softcap is not None:
             raise LongattnError("sparse layers with score soft-capping run in the eager Session only")
-        from .sparse import SCSAConfig
+        from ..sparse import SCSAConfig
         self.sparse = SparseState(self.policy.sparse_config or SCSAConfig(), cfg.num_heads, cfg.num_kv_heads,
                                   cfg.head_dim) if "sparse" in kinds else None
         if attention not in ATTENTION_KERNELS:

@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from .errors import LongattnError
+from ..errors import LongattnError
 
 LOG2E = 1.0 / math.log(2.0)
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
-from .errors import LongattnError
-from .policy import AttentionPolicy, LayerPolicy, WindowOp, register_op
-from .sparse import SCSAConfig, SCSALayer
+from ..errors import LongattnError
+from ..policy import AttentionPolicy, LayerPolicy, WindowOp, register_op
+from .config import SCSAConfig
+from .layer import SCSALayer
 
 
 class SparseOp:

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from .errors import LongattnError
+from ..errors import LongattnError
 
 
 @dataclass

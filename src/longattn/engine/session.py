@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 
-from .cache import KVCache
-from .errors import LongattnError
-from .policy import AttentionPolicy
+from ..cache import KVCache
+from ..errors import LongattnError
+from ..policy import AttentionPolicy
 from .sampling import SamplingConfig, sample
 
 
@@ -48,7 +48,7 @@ class Session:
         self.cfg = model.config
         self.policy = policy or AttentionPolicy.from_config(self.cfg)
         if cache is None:
-            from .cache.factory import make_cache
+            from ..cache.factory import make_cache
             # K/V are stored in the activation dtype: float32, or float64 for reference runs
             act = model.activation_dtype
             cache = make_cache(self.cfg, self.policy, batch=batch, kind="auto", model=model, dtype=act)
@@ -122,11 +122,13 @@ class GenerationResult:
 
 def generate(session: Session, prompts: list, max_new_tokens: int, sampling: SamplingConfig = SamplingConfig(),
              stop_ids: Optional[set] = None, chunk: int = 512,
-             on_token: Optional[Callable[[int, int], None]] = None) -> GenerationResult:
+             on_token: Optional[Callable[[int, int], None]] = None,
+             stop: Optional[Callable[[int, list], bool]] = None) -> GenerationResult:
     """Prefill ``prompts`` then decode up to ``max_new_tokens`` per stream.
 
     ``on_token(stream, token_id)`` is called as each token is produced (streaming output).
-    A stream stops at its first stop token (which is not emitted).
+    A stream stops at its first stop token (which is not emitted), or once
+    ``stop(stream, tokens_so_far)`` returns True after a token (that token is kept).
     """
     if max_new_tokens < 0:
         raise LongattnError("max-new-tokens must be >= 0")
@@ -155,6 +157,9 @@ def generate(session: Session, prompts: list, max_new_tokens: int, sampling: Sam
             res.tokens[b].append(t)
             if on_token:
                 on_token(b, t)
+            if stop is not None and stop(b, res.tokens[b]):
+                active[b] = False
+                res.stopped[b] = True
         if not active.any() or i == max_new_tokens - 1:
             break
         logits = session.step(nxt, active if not active.all() else None)
