@@ -24,7 +24,7 @@ import torch
 
 from longattn.ops import native
 from longattn.ops.masks import allowed_mask
-from longattn.engine.static_step import attend_buffer_and_self
+from longattn.ops.attention import attend_buffer_and_self
 
 from common import RESULTS, write_result
 # name -> (query heads, KV heads, slots, head dim, window, sinks)

@@ -35,11 +35,10 @@ import torch
 
 from ..cache.ring import ring_slot
 from ..errors import LongattnError
-from ..ops import native
-from ..ops.masks import allowed_mask
+from ..ops.attention import attend_buffer_and_new, static_kernel
 from ..policy import AttentionPolicy
-from .session import Session
 from ..sparse.static_op import SparseState, StaticSparseOp
+from .session import Session
 
 
 RECOMPILE_LIMIT = 256
@@ -159,83 +158,17 @@ class StaticKV:
                 self.vg[g][i, b, :, slots] = v[b, :, idx].to(self.vg[g].dtype)
 
 
-ATTENTION_KERNELS = ("fused", "matmul", "flash")
-
-
 class _StaticOp:
-    """Decode attention over a whole static buffer: mask from slot positions, no branching."""
+    """Decode attention over a whole static buffer plus the step's pending key (no branching
+    on values: the kernel is resolved once, by ``ops.attention.static_kernel``)."""
 
     def __init__(self, window: Optional[int], sinks: int, kernel: str = "fused"):
-        self.window, self.sinks, self.kernel = window, sinks, kernel
-        self.native = kernel == "fused" and native.available()  # decided once, not while tracing
+        self.window, self.sinks, self.kernel = window, sinks, static_kernel(kernel)
 
     def __call__(self, q, q_pos, k, v, k_pos, scale, softcap=None, layer=0, cache=None):
         k_new, v_new = cache.pending[layer]
-        if self.native and softcap is None and q.dtype == k.dtype == torch.float32:
-            return torch.ops.longattn_cpu.decode_attention(
-                q, k, v, k_pos, q_pos, k_new.to(k.dtype), v_new.to(v.dtype),
-                self.window or 0, self.sinks, float(scale))
-        mask = allowed_mask(q_pos, k_pos, self.window, self.sinks)  # [B, 1, 1, S]
-        if self.kernel == "flash" and softcap is None:
-            return attend_buffer_and_self_flash(q, k, v, mask, k_new, v_new, q_pos >= 0, scale)
-        return attend_buffer_and_self(q, k, v, mask, k_new, v_new, q_pos >= 0, scale, softcap)
-
-
-def attend_buffer_and_self(q, k, v, mask, k_new, v_new, self_ok, scale, softcap=None):
-    """One decode query over a read-only buffer plus its own new key, in one softmax.
-
-    Args:
-        q: ``[B, H, 1, D]``; k, v: ``[B, Hkv, S, D]`` buffers; mask: ``[B, 1, 1, S]`` bool.
-        k_new, v_new: ``[B, Hkv, 1, D]`` the step's own key and value.
-        self_ok: ``[B, 1]`` bool, False for padding queries (which then output zeros).
-    Returns:
-        ``[B, H, 1, D]``, equal to attention over the buffer with the new key written into it.
-    """
-    B, H, _, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    qg = q.reshape(B, Hkv, H // Hkv, D)
-    s = torch.matmul(qg, k.transpose(-1, -2)) * scale           # [B, Hkv, rep, S]
-    sn = (qg * k_new.to(qg.dtype)).sum(-1, keepdim=True) * scale  # [B, Hkv, rep, 1]
-    if softcap is not None:
-        s, sn = softcap * torch.tanh(s / softcap), softcap * torch.tanh(sn / softcap)
-    s = s.masked_fill(~mask.view(B, 1, 1, S), float("-inf"))
-    sn = sn.masked_fill(~self_ok.view(B, 1, 1, 1), float("-inf"))
-    m = torch.maximum(s.amax(-1, keepdim=True), sn)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows with nothing to read
-    p, pn = torch.exp(s - m), torch.exp(sn - m)
-    den = p.sum(-1, keepdim=True) + pn
-    num = torch.matmul(p, v) + pn * v_new.to(p.dtype)             # [B, Hkv, rep, D]
-    out = torch.where(den > 0, num / den.clamp(min=torch.finfo(den.dtype).tiny), torch.zeros_like(num))
-    return out.reshape(B, H, 1, D)
-
-
-def attend_buffer_and_self_flash(q, k, v, mask, k_new, v_new, self_ok, scale):
-    """``attend_buffer_and_self`` (no softcap) with the buffer read by ATen's CPU flash kernel.
-
-    The g query heads sharing a KV head ride as the flash kernel's query-length axis
-    (``[B, Hkv, g, D]``), so grouped-query attention needs no repeated keys. The kernel returns
-    the buffer part's output and log-sum-exp; the step's own key is merged in closed form:
-    ``out = (e^lse o + e^s v_new) / (e^lse + e^s)``. Same shapes and result as the matmul form,
-    up to summation order; the kernel blocks the buffer and threads over heads.
-    """
-    B, H, _, D = q.shape
-    Hkv = k.shape[1]
-    g = H // Hkv
-    qg = q.reshape(B, Hkv, g, D)
-    bias = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, float("-inf"))  # [B, 1, 1, S]
-    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        qg, k, v, 0.0, False, attn_mask=bias, scale=scale)  # [B, Hkv, g, D], [B, Hkv, g]
-    lse = lse.float().unsqueeze(-1)
-    sn = ((qg * k_new.to(qg.dtype)).sum(-1, keepdim=True) * scale).float()  # [B, Hkv, g, 1]
-    sn = sn.masked_fill(~self_ok.view(B, 1, 1, 1), float("-inf"))
-    m = torch.maximum(lse, sn)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows with nothing to read
-    wb, wn = torch.exp(lse - m), torch.exp(sn - m)  # wb = 0 where the buffer part read nothing
-    o = torch.where(wb > 0, o.float(), torch.zeros_like(o, dtype=torch.float32))
-    den = wb + wn
-    num = wb * o + wn * v_new.float()
-    out = torch.where(den > 0, num / den.clamp(min=torch.finfo(den.dtype).tiny), torch.zeros_like(num))
-    return out.to(q.dtype).reshape(B, H, 1, D)
+        return attend_buffer_and_new(q, q_pos, k, v, k_pos, k_new, v_new, self.window, self.sinks,
+                                     scale, softcap, self.kernel)
 
 
 class _StaticPolicy:
@@ -286,8 +219,7 @@ class StaticDecoder:
         from ..sparse import SCSAConfig
         self.sparse = SparseState(self.policy.sparse_config or SCSAConfig(), cfg.num_heads, cfg.num_kv_heads,
                                   cfg.head_dim) if "sparse" in kinds else None
-        if attention not in ATTENTION_KERNELS:
-            raise LongattnError(f"attention must be one of {', '.join(ATTENTION_KERNELS)}, got {attention!r}")
+        static_kernel(attention)  # refuses an unknown name before any buffer is made
         self.batch, self.dynamic, self.attention = batch, dynamic, attention
         self._policy = _StaticPolicy(self.policy, attention, self.sparse)
         self.compiled = compile
