@@ -17,6 +17,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import LongattnError
+from .integrity import check_gguf_structure, check_values
 from .family_gaps import GEMMA3_LOCAL_ROPE_THETA, gemma3_layer_is_global
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
@@ -142,10 +143,12 @@ def load_gguf(path: str | os.PathLike, progress=None) -> tuple[ModelConfig, dict
         raise
     except Exception as e:
         raise LongattnError(f"{path.name}: incomplete GGUF metadata ({type(e).__name__}: {e})") from None
+    check_gguf_structure(reader, cfg, path)
     norms = _NORMS_GEMMA3 if cfg.family == "gemma3" else _NORMS_PLAIN
     sd: dict = {}
     tensors = iter_gguf_tensors(reader)
     for name, w in (progress(tensors, total=len(reader.tensors)) if progress else tensors):
+        check_values(name, w, path)
         if name == "token_embd.weight":
             key = "model.embed_tokens.weight"
         elif name == "output_norm.weight":
