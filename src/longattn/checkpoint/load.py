@@ -87,7 +87,7 @@ def _convert_gguf(src: Path, target: Path, progress: bool) -> None:
         from tqdm import tqdm
 
         def bar(items, total=None):
-            return tqdm(items, total=total, desc=f"converting {src.name}", unit="tensor", leave=False)
+            return tqdm(items, total=total, desc=f"converting {src.name}", unit="tensor", leave=True)
     from ..models import build_model
     cfg, sd = load_gguf(src, progress=bar)
     build_model(cfg, sd, fuse=False)  # proves the weights make the model before anything is kept

@@ -102,8 +102,8 @@ def check_policy_args(args) -> None:
     if sparse and args.policy != "sparse":
         flags = ", ".join("--" + k.replace("_", "-").replace("-probe-dims", "-probe")
                           .replace("-dense-when-cheaper", "-always") for k in sparse)
-        raise LongattnError(f"{flags} "
-                            f"{' only applies' if len(sparse) == 1 else ' only apply'} with --policy sparse; drop "
+        raise LongattnError(f"{flags} {'only applies' if len(sparse) == 1 else 'only apply'} with "
+                            "--policy sparse; drop "
                             "them or add --policy sparse")
 
 
@@ -141,6 +141,14 @@ def check_context(cfg, policy, positions: int, args, what: str) -> None:
                         f"--window W --sinks 4){stream}, or pass --allow-beyond-context")
 
 
+def check_token_ids(cfg, ids) -> None:
+    """Refuse token ids the model has no embedding for (a tokenizer from another model)."""
+    top = max((int(i) for i in ids), default=-1)
+    if top >= cfg.vocab_size:
+        raise LongattnError(f"the tokenizer gives token id {top} but {cfg.name or 'the model'} has "
+                            f"{cfg.vocab_size} embeddings; the tokenizer belongs to another model")
+
+
 def read_text_file(path: str, what: str) -> str:
     """The UTF-8 text of the file at ``path``; a binary or otherwise undecodable file is
     refused (one line naming ``what`` and the first bad byte) rather than read in part."""
@@ -170,14 +178,17 @@ def load_model(args, progress: bool = True):
 
 
 def _close_progress_bars() -> None:
-    """End any progress bar still drawn, so a message that follows starts its own line."""
+    """End any progress bar still drawn and its line, so a message that follows starts a
+    line of its own on a terminal and in a log file alike."""
     tqdm = sys.modules.get("tqdm")
-    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ()) or ()):
+    bars = list(getattr(getattr(tqdm, "tqdm", None), "_instances", ()) or ())
+    for bar in bars:
         try:
-            bar.leave = False
             bar.close()
         except Exception:  # a half-built bar: nothing more to tidy
             pass
+    if bars:
+        sys.stderr.write("\n")
 
 
 def fail(message: str, code: int = 2) -> int:

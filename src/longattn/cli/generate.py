@@ -7,7 +7,7 @@ import sys
 
 from ..errors import LongattnError
 from .common import (add_context_arg, add_json_arg, add_model_args, add_policy_args, check_chunk,
-                     check_context, check_policy_args, emit_json, load_model, policy_from_args,
+                     check_context, check_policy_args, check_token_ids, emit_json, load_model, policy_from_args,
                      read_text_file, setup_threads)
 
 DEFAULT_PROMPT = "The three most useful facts about the Moon are"
@@ -50,8 +50,8 @@ def encode_prompt(tok, text: str, chat: bool) -> list:
 class TextStreamer:
     """Prints decoded text as tokens arrive, holding back incomplete UTF-8 / merges."""
 
-    def __init__(self, tok, out=sys.stdout):
-        self.tok, self.out, self.ids, self.printed = tok, out, [], 0
+    def __init__(self, tok, out=None):
+        self.tok, self.out, self.ids, self.printed = tok, out or sys.stdout, [], 0
 
     def __call__(self, stream: int, token: int) -> None:
         self.ids.append(token)
@@ -88,6 +88,7 @@ def run(args) -> int:
     ids = encode_prompt(ck.tokenizer, text, args.chat)
     if not ids:
         raise LongattnError("the prompt is empty; give some text")
+    check_token_ids(ck.config, ids)
     check_context(ck.config, policy, len(ids) + args.max_new_tokens, args,
                   f"the prompt ({len(ids)} tokens) plus --max-new-tokens {args.max_new_tokens}")
     if args.compile:

@@ -44,18 +44,22 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    shown = warnings.formatwarning
     warnings.formatwarning = _one_line_warning  # the CLI's warnings are one line each, too
-    try:  # Ctrl-C while torch and the commands import is one line as well
-        parser = build_parser()
-        args = parser.parse_args(argv)
-        if not getattr(args, "func", None):
-            parser.print_help()
-            return 2
-        from .common import run_guarded
-    except KeyboardInterrupt:
-        print("longattn: interrupted", file=sys.stderr)
-        return 130
-    return run_guarded(args.func, args)
+    try:
+        try:  # Ctrl-C while torch and the commands import is one line as well
+            parser = build_parser()
+            args = parser.parse_args(argv)
+            if not getattr(args, "func", None):
+                parser.print_help()
+                return 2
+            from .common import run_guarded
+        except KeyboardInterrupt:
+            print("longattn: interrupted", file=sys.stderr)
+            return 130
+        return run_guarded(args.func, args)
+    finally:
+        warnings.formatwarning = shown
 
 
 if __name__ == "__main__":

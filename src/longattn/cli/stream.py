@@ -9,7 +9,7 @@ import torch
 
 from ..errors import LongattnError
 from .common import (add_context_arg, add_json_arg, add_model_args, add_policy_args, check_chunk,
-                     check_context, check_policy_args, emit_json, load_model, policy_from_args,
+                     check_context, check_policy_args, check_token_ids, emit_json, load_model, policy_from_args,
                      read_text_file, setup_threads)
 
 
@@ -79,6 +79,7 @@ def run(args) -> int:
     ids = tokenize_text(ck.tokenizer, text, args.max_tokens, args.repeat)
     if ids.numel() < 2:
         raise LongattnError("the text holds fewer than 2 tokens; nothing to score")
+    check_token_ids(ck.config, ids.tolist())
     check_context(ck.config, policy, int(ids.numel()), args, f"the text ({ids.numel()} tokens)")
     res = stream_run(model, ck.tokenizer, ids, policy, args)
     out = res.to_dict()
