@@ -141,6 +141,9 @@ def load_gguf(path: str | os.PathLike, progress=None) -> tuple[ModelConfig, dict
         cfg = read_gguf_config(reader, path)
     except LongattnError:
         raise
+    except MemoryError:
+        raise LongattnError(f"{path.name}: the GGUF header's sizes are too large to be real (a damaged "
+                            "header); re-download or re-convert it") from None
     except Exception as e:
         raise LongattnError(f"{path.name}: incomplete GGUF metadata ({type(e).__name__}: {e})") from None
     check_gguf_structure(reader, cfg, path)

@@ -7,8 +7,8 @@ import sys
 
 from ..errors import LongattnError
 from .common import (add_context_arg, add_json_arg, add_model_args, add_policy_args, check_chunk,
-                     check_context, check_policy_args, check_token_ids, emit_json, load_model, policy_from_args,
-                     read_text_file, setup_threads)
+                     check_context, check_policy_args, check_token_ids, emit_json, load_model,
+                     policy_from_args, read_text_file, setup_threads)
 
 DEFAULT_PROMPT = "The three most useful facts about the Moon are"
 
@@ -82,9 +82,9 @@ def run(args) -> int:
     else:
         text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     ck, model = load_model(args)
+    policy = policy_from_args(ck.config, args)
     if ck.tokenizer is None:
         raise LongattnError(f"{ck.name} has no tokenizer; generate needs one to read the prompt")
-    policy = policy_from_args(ck.config, args)
     ids = encode_prompt(ck.tokenizer, text, args.chat)
     if not ids:
         raise LongattnError("the prompt is empty; give some text")

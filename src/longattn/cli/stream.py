@@ -9,8 +9,8 @@ import torch
 
 from ..errors import LongattnError
 from .common import (add_context_arg, add_json_arg, add_model_args, add_policy_args, check_chunk,
-                     check_context, check_policy_args, check_token_ids, emit_json, load_model, policy_from_args,
-                     read_text_file, setup_threads)
+                     check_context, check_policy_args, check_token_ids, emit_json, load_model,
+                     policy_from_args, read_text_file, setup_threads)
 
 
 def add_parser(sub) -> None:
@@ -73,9 +73,9 @@ def run(args) -> int:
         raise LongattnError("--max-tokens must be >= 2")
     text = read_text_file(args.file, "--file") if args.file else all_books_text()
     ck, model = load_model(args)
+    policy = policy_from_args(ck.config, args)
     if ck.tokenizer is None:
         raise LongattnError(f"{ck.name} has no tokenizer; stream needs one to read text")
-    policy = policy_from_args(ck.config, args)
     ids = tokenize_text(ck.tokenizer, text, args.max_tokens, args.repeat)
     if ids.numel() < 2:
         raise LongattnError("the text holds fewer than 2 tokens; nothing to score")
