@@ -42,28 +42,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from longattn.cache import KVCache  # noqa: E402
-from longattn.checkpoint import load_checkpoint  # noqa: E402
-from longattn.data import all_books_text  # noqa: E402
-from longattn.lab import tasks as T  # noqa: E402
-from longattn.models import build_model  # noqa: E402
-from longattn.policy import AttentionPolicy  # noqa: E402
-from longattn.sparse import SCSAConfig  # noqa: E402
-from longattn.sparse.kernel import Selection  # noqa: E402
-from longattn.sparse.layer import SCSALayer  # noqa: E402
-from longattn.sparse_policy import build_sparse_policy, policy_taus, preset_taus, retune, sparse_ops  # noqa: E402
+from longattn.cache import KVCache
+from longattn.checkpoint import load_checkpoint
+from longattn.data import all_books_text
+from longattn.lab import tasks as T
+from longattn.models import build_model
+from longattn.policy import AttentionPolicy
+from longattn.sparse import SCSAConfig
+from longattn.sparse.kernel import Selection
+from longattn.sparse.layer import SCSALayer
+from longattn.sparse.policy import build_sparse_policy, policy_taus, preset_taus, retune, sparse_ops
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from common import RESULTS, write_result
 RETRIEVAL_TASKS = ("passkey", "niah_multikey_1", "vt")
 
 
@@ -406,7 +403,7 @@ def main() -> int:
                 progress(f"prefill {filled}/{L}")
             out["rows"].append(run_context(model, ck, ids, cache, L, args, dense_pol, progress))
             RESULTS.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(out, indent=1))
+            write_result(args.out, out)
     for r in out["rows"]:
         for s in r["sweep"]:
             print(f"L={r['context']:>6} {s['packing']:5s} tol {s['tolerance']:<7} agreement "

@@ -11,7 +11,7 @@ import torch
 
 from longattn.ops import native
 from longattn.ops.masks import allowed_mask
-from longattn.static_decode import attend_buffer_and_self
+from longattn.engine.static_step import attend_buffer_and_self
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="needs the AVX2 kernels (x86)")
 

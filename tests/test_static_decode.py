@@ -11,7 +11,7 @@ from longattn.errors import LongattnError
 from longattn.models import transformer
 from longattn.ops import native
 from longattn.policy import AttentionPolicy
-from longattn.static_decode import StaticDecoder
+from longattn.engine.static_step import StaticDecoder
 from test_windows import _ids
 
 

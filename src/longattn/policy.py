@@ -79,8 +79,8 @@ class WindowOp:
     ``masks`` is shared by the ops of one policy so layers reuse each other's mask.
     Decode steps (one query per stream, float32, no softcap) read the cache through longattn's
     fused C++ kernel (ops/csrc/decode_attention.cpp; the same rule as ``allowed_mask``, decided
-    from positions, masked slots skipped) where it is built: the matmul form spent its time in
-    two thin matmuls, a mask and a softmax (Qwen2.5-0.5B at 32K: ~10 ms a layer).
+    from positions, masked slots skipped) where it is built, because the matmul form spends its
+    time in two thin matmuls, a mask and a softmax.
     ``fused_decode=False`` keeps the matmul form (its reference).
     """
 
@@ -136,7 +136,7 @@ def _keys_from_zero(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
 
 
 # Prefill chunks at least this long take the banded path on windowed layers; below it the
-# fused causal kernel wins (benchmarks/prefill_attention.py: crossover near 2K at W=1024).
+# fused causal kernel wins (benchmarks/prefill_attention.py measures the crossover).
 BANDED_MIN_TOKENS = 2048
 
 def _window_factory(lp: LayerPolicy, policy: "AttentionPolicy", layer: int) -> WindowOp:
@@ -163,8 +163,8 @@ class AttentionPolicy:
     masks: MaskMemo = field(default_factory=MaskMemo, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        if any(lp.kind == "sparse" for lp in self.layers):
-            from . import sparse_policy  # noqa: F401  (registers the "sparse" kind)
+        # Kinds register themselves where they are defined (longattn.sparse.policy registers
+        # "sparse"; only its builders make sparse layers), so this module knows none of them.
         self.ops = []
         for lp in self.layers:
             check_int("window", lp.window, allow_none=True)

@@ -119,7 +119,7 @@ def policy_from_args(cfg, args):
     if args.window is not None and mode == "checkpoint":
         mode = "window"  # --window alone imposes it on every layer
     if mode == "sparse":
-        from ..sparse_policy import sparse_policy  # noqa: WPS433 (wired in the SCSA module)
+        from ..sparse.policy import sparse_policy  # noqa: WPS433 (wired in the SCSA module)
         return sparse_policy(cfg, args)
     return AttentionPolicy.build(cfg, mode=mode, window=args.window, sinks=args.sinks)
 

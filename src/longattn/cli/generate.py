@@ -69,8 +69,8 @@ class TextStreamer:
 
 
 def run(args) -> int:
-    from ..sampling import SamplingConfig
-    from ..session import Session, generate
+    from ..engine.sampling import SamplingConfig
+    from ..engine.session import Session, generate
     setup_threads(args.threads)
     if args.max_new_tokens < 0:
         raise LongattnError("--max-new-tokens must be >= 0")
@@ -92,7 +92,7 @@ def run(args) -> int:
     check_context(ck.config, policy, len(ids) + args.max_new_tokens, args,
                   f"the prompt ({len(ids)} tokens) plus --max-new-tokens {args.max_new_tokens}")
     if args.compile:
-        from ..static_decode import StaticDecoder
+        from ..engine.static_step import StaticDecoder
         session = StaticDecoder(model, policy, max_len=len(ids) + max(args.max_new_tokens, 1), compile=True)
         print(f"-- compiling the decode step ...", file=sys.stderr, flush=True)
         print(f"-- compiled in {session.warmup():.1f} s", file=sys.stderr)

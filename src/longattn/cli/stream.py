@@ -47,7 +47,7 @@ def tokenize_text(tok, text: str, max_tokens=None, repeat: int = 1) -> torch.Ten
 def stream_run(model, tok, ids, policy, args, quiet=False, desc="stream"):
     from tqdm import tqdm
     from ..cache.factory import make_cache
-    from ..stream import stream_score
+    from ..lab.stream import stream_score
     cache = make_cache(model.config, policy, batch=1, kind=args.cache, model=model,
                        reindex=getattr(args, "reindex", False))
     bar = tqdm(total=int(ids.numel()), unit="tok", desc=desc, disable=quiet, file=sys.stderr,

@@ -6,7 +6,7 @@ the first time; see build.py for how a killed or stuck build is survived) under
 ``$LONGATTN_CACHE/kernels/native-torch<version>-<hash of csrc/>``, loaded directly after;
 editing a source or header makes a new build directory, so a stale build never loads.
 Where it cannot be used (no AVX2, no compiler, or ``LONGATTN_NATIVE=off``) ``available()`` is
-False and every caller has a PyTorch path (see int8_kernel.py, static_decode.py).
+False and every caller has a PyTorch path (see int8_kernel.py, engine/static_step.py).
 
 Ops (namespace ``longattn_cpu``): ``int8_gemv`` (csrc/int8_gemv.cpp), ``int4_gemv``
 (csrc/int4_gemv.cpp),

@@ -15,11 +15,9 @@ Then each head freezes the largest tau whose median error over the samples meets
 ``ceil(quantile * N)``-th smallest of N samples (0.5 is the median), for heads that must meet the
 tolerance on most steps rather than half of them. The
 samples are kept, so ``choose(tolerance=...)`` re-picks for another tolerance without rerunning.
-``unmet`` names the heads for which no tau meets it: such a head cannot be served by the sparse
-read at all (SCSAConfig.exact_when_unmet). On Qwen2.5-0.5B's first layer the q8_0 packing alone
-(tau = 0, every cluster opened) left 15-41% output error against a 2.5% tolerance until the
-packed keys were stored relative to their cluster's centroid and queries quantized to 12 bits
-(packing.py): 0.4-1.0% since. ``record`` may also keep what each tau would read, so that
+``unmet`` names the heads for which no tau meets it, not even tau = 0 where only the packing's
+rounding is left: such a head cannot be served by the sparse read at all
+(SCSAConfig.exact_when_unmet). ``record`` may also keep what each tau would read, so that
 ``cost_ratio`` can price the chosen taus against the dense read (cost.py,
 SCSAConfig.dense_when_cheaper).
 """

@@ -14,9 +14,8 @@ PACKINGS = ("q8_0", "f16", "f32")
 MAX_RANK = 8
 
 # Thresholds replayed during self-calibration (0 = dense, always present as the fallback):
-# 0.0025 * 2**(i/2) up to 0.64, a factor sqrt(2) apart. On Qwen2.5-0.5B the chosen taus sat at
-# 0.04-0.08 where a factor-2 grid lost up to half of the sparsity a head could afford; the grid is
-# a superset of the earlier factor-2 grid (0.0025 .. 0.32), so a head never picks a smaller tau.
+# 0.0025 * 2**(i/2) up to 0.64, a factor sqrt(2) apart, because a coarser grid drops a head to the
+# next smaller step and gives away sparsity it could afford.
 DEFAULT_TAU_GRID = (0.0,) + tuple(round(0.0025 * 2 ** (i / 2), 6) for i in range(17))
 # How a calibration sample's error is measured per KV head (its g query heads share one tau):
 #   "head":  the worst query head's ||o_tau - o|| / ||o||;
@@ -24,7 +23,7 @@ DEFAULT_TAU_GRID = (0.0,) + tuple(round(0.0025 * 2 ** (i / 2), 6) for i in range
 CALIB_METRICS = ("head", "group")
 # How the hierarchical tree groups leaf clusters (see tree.similarity_order):
 #   "similar": leaves with similar centroids share a subtree (default);
-#   "cache":   consecutive clusters of the cache (the earlier behaviour, for comparison).
+#   "cache":   consecutive clusters of the cache (for comparison).
 TREE_ORDERS = ("similar", "cache")
 
 
@@ -49,8 +48,7 @@ class SCSAConfig:
             cluster's members: ``min(outliers, m // 2)``). The cluster's summaries, tail and
             packed rows then describe only the rest: a far member is where the closed-form
             tail and the ranking err most. 0 keeps every member in its cluster. Default 8
-            (6.25% of a 128-key cluster): on Qwen2.5-0.5B variable tracking at 4K went from
-            1/8 to 5/8 answers identical to dense, for ~13% of SCSA's step at 32K.
+            (6.25% of a 128-key cluster).
         calib_steps: decode calls (with an index) run exactly while calibrating tau.
         tolerance: target relative output error per head during calibration (met by the
             median of its calibration errors, or the order statistic calib_quantile names).
@@ -84,15 +82,14 @@ class SCSAConfig:
             cluster centroid, exact; the offsets as packed), and the clusters holding each
             query head's ``probe_keys`` best keys open whatever the stop rule says. The rule
             ranks clusters by a Gaussian summary, which cannot see one key far out along the
-            query; on Qwen2.5-0.5B the answer steps of variable tracking hang on such keys
-            (opening each query head's single exact top key's cluster made 8 of 8 prompts
-            identical to dense, against 4 of 8). Calibration replays it; the native call runs it
-            (one more scoring pass over every packed key row per call).
+            query, and retrieval-like answer steps (variable tracking) hang on such keys.
+            Calibration replays it; the native call runs it (one more scoring pass over every
+            packed key row per call).
         probe_keys: keys per query head whose clusters the probe opens (>= 1).
         dense_when_cheaper: at the end of calibration, a layer whose sparse calls (at the taus
             it chose, over the calibration calls' opened and exact rows, median) are predicted
             to cost more than its dense read attends densely, exactly, instead: every KV head's
-            choice is then ``None`` (cost.py holds the model and its measured constants).
+            choice is then ``None`` (cost.py holds the model and its fitted constants).
         exact_when_unmet: a layer with a KV head for which no tau of the grid meets the
             tolerance (not even tau = 0: the packing's rounding alone is too coarse for that
             head) attends exactly after calibration, instead of running at the smallest tau

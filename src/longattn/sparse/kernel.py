@@ -202,8 +202,8 @@ def walk_limit(round_index: int) -> int:
     """Most nodes one query head may open or expand in a round of the tree walk.
 
     Starting at 1 makes the walk best-first (it dives along the highest estimates instead of
-    expanding every node the stop rule would need at the coarse levels); the limit grows by one
-    per round so long walks still finish in O(sqrt(nodes)) rounds.
+    expanding every node the stop rule would need at the coarse levels); the limit doubles each
+    round so long walks still finish in O(log(nodes)) rounds.
     """
     return 1 << round_index
 
@@ -217,7 +217,7 @@ def _np_logsumexp(x: np.ndarray, axis: int = -1) -> np.ndarray:
 
 class _HeadWalk:
     """The tree walk of one KV head in NumPy (tiny arrays: per-op overhead matters more than
-    vectorisation, and NumPy's is ~10x lower than torch's)."""
+    vectorisation, and NumPy's is far lower than torch's)."""
 
     def __init__(self, tree, h: int, q: np.ndarray, beta: float) -> None:
         self.summ, self.resid = tree.np_summ[h], tree.np_resid[h]  # [Nn, 1+r, D], [Nn, D]

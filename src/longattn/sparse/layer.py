@@ -243,8 +243,9 @@ class SCSALayer:
         ``min_context``) and its last sealed keys (another sequence). ``None``: anything else,
         which the general path then handles (and checks) in full. ``hot`` holds the index, what
         the kernel takes besides the row (``_native_tail``), the scale and q's shape, kept while
-        the index and the taus stay as they are (see ``_hot``). Against the general path it saved ~25 us a layer
-        call in the model at 32K (32.8 -> 32.2 ms a step, ``scsa_alternate.py --general``)."""
+        the index and the taus stay as they are (see ``_hot``). It exists because this runs once
+        per sparse layer and step, where the general path's Python checks are a visible share of
+        the call (``scsa_alternate.py --general`` compares the two)."""
         index, tail, scale0, q_shape = hot
         D = self.head_dim
         if q.shape != q_shape or k.shape != v.shape or k.shape[:2] != (1, self.num_kv_heads) \

@@ -16,9 +16,8 @@ which is exact here: ``|iq_b . ik_b| <= qblock * 2047 * 127 < 2**24`` (and fits 
 q8_0 keys are stored relative to their cluster's centre ``c`` (the index passes the centroid of
 the cluster's members): the packed row is ``q8(k - c)`` and a score is ``q.c + q8dot(q, k - c)``,
 the first term in float32 with the unquantized query. The residuals ``k - c`` are far smaller
-than the keys where keys share a large common part (Qwen2.5's key biases: on its first layer
-the uncentred rows left 12-38% output error with every cluster opened, centred ones 0.6-1.2%),
-and a block's rounding step is its own amax / 127.
+than the keys where keys share a large common part (such as Qwen2.5's key biases), and a
+block's rounding step is its own amax / 127.
 """
 
 from __future__ import annotations
