@@ -84,10 +84,11 @@ def _refused_keeping_only_good_entries(r, before: list) -> None:
     (["--sparse-tolerance", "0.1", "--sparse-probe", "4", "--policy", "window", "--window", "8"],
      "only apply with --policy sparse"),
     (["--window", "1000000000000"], "longer than tiny-random's trained context (256)"),
+    (["--window", "8", "--sinks", "1000000000000"], "more than tiny-random's trained context (256)"),
 ])
 def test_impossible_options_refused(cli, tiny_gguf, args, needle):
     r = cli("generate", "--model", tiny_gguf, "--max-new-tokens", 1, *args)
-    _refused(r, needle, cache_listing(r.cache) if "longer" in needle else [])
+    _refused(r, needle, cache_listing(r.cache) if "context (256)" in needle else [])
     assert "--policy window" not in r.stderr  # never blames a policy the user did not pass
 
 
@@ -109,6 +110,12 @@ def test_prompt_past_trained_context(cli, tiny_gguf):
     for extra in (["--allow-beyond-context"], ["--policy", "window", "--window", "64", "--sinks", "4"]):
         r = cli("generate", "--model", tiny_gguf, "--prompt", LONG_PROMPT, "--max-new-tokens", 2, *extra)
         assert r.returncode == 0, r.stderr
+
+
+def test_huge_repeat_builds_only_what_is_scored(cli, tiny_gguf, tmp_path):
+    r = cli("stream", "--model", tiny_gguf, "--file", _text_file(tmp_path, "the cat sat."),
+            "--repeat", 10 ** 12, "--max-tokens", 40)
+    assert r.returncode == 0, r.stderr
 
 
 def _text_file(d: Path, text: str | bytes) -> Path:
@@ -155,9 +162,10 @@ def test_flipped_tensor_bytes_refused(cli, tiny_gguf, tmp_path):
     _refused(cli("generate", "--model", bad, "--max-new-tokens", 1), "tensor 'token_embd.weight' holds", [])
 
 
-def test_truncated_tiny_gguf(cli, tiny_gguf, tmp_path):
+@pytest.mark.parametrize("cut", [-3000, 0, 3])
+def test_truncated_tiny_gguf(cli, tiny_gguf, tmp_path, cut):
     bad = tmp_path / "short.gguf"
-    bad.write_bytes(tiny_gguf.read_bytes()[:-3000])
+    bad.write_bytes(tiny_gguf.read_bytes()[:cut])
     _refused(cli("generate", "--model", bad, "--max-new-tokens", 1), "corrupt", [])
 
 

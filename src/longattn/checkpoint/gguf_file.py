@@ -120,13 +120,18 @@ def iter_gguf_tensors(reader):
     from gguf import GGMLQuantizationType, quants
     for t in reader.tensors:
         shape = [int(x) for x in reversed(list(t.shape))]
-        if t.tensor_type == GGMLQuantizationType.F32:
-            arr = np.asarray(t.data, dtype=np.float32)
-        elif t.tensor_type in (GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
-            arr = quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        else:
-            arr = quants.dequantize(t.data, t.tensor_type)
-        yield t.name, torch.from_numpy(np.array(arr, dtype=np.float32, copy=True).reshape(shape))
+        try:
+            if t.tensor_type == GGMLQuantizationType.F32:
+                arr = np.asarray(t.data, dtype=np.float32)
+            elif t.tensor_type in (GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+                arr = quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+            else:
+                arr = quants.dequantize(t.data, t.tensor_type)
+            w = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True).reshape(shape))
+        except (NotImplementedError, ValueError, TypeError) as e:  # a type gguf cannot read, a bad size
+            raise LongattnError(f"tensor '{t.name}' ({getattr(t.tensor_type, 'name', t.tensor_type)}) "
+                                f"cannot be dequantized: {type(e).__name__}: {e}") from None
+        yield t.name, w
 
 
 def load_gguf(path: str | os.PathLike, progress=None) -> tuple[ModelConfig, dict]:

@@ -111,6 +111,9 @@ def policy_from_args(cfg, args):
     """The AttentionPolicy the options ask for on the model of ``cfg`` (see check_policy_args)."""
     from ..policy import AttentionPolicy
     check_policy_args(args)
+    if getattr(args, "sinks", 0) > cfg.max_context:
+        raise LongattnError(f"--sinks {args.sinks} is more than {cfg.name or 'the model'}'s trained "
+                            f"context ({cfg.max_context}); a few (e.g. 4) are enough")
     if args.window is not None and args.window > cfg.max_context:
         raise LongattnError(f"--window {args.window} is longer than {cfg.name or 'the model'}'s trained "
                             f"context ({cfg.max_context}), where it means full attention; use "

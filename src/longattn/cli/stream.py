@@ -38,10 +38,9 @@ def tokenize_text(tok, text: str, max_tokens=None, repeat: int = 1) -> torch.Ten
     base = tok(text)["input_ids"]
     if max_tokens is not None and max_tokens < 2:
         raise LongattnError("--max-tokens must be >= 2")
-    ids = base * repeat
-    if max_tokens is not None:
-        ids = ids[:max_tokens]
-    return torch.tensor(ids, dtype=torch.int64)
+    n = len(base) * repeat if max_tokens is None else min(len(base) * repeat, max_tokens)
+    reps = -(-n // len(base)) if base else 0  # only the repeats needed: --repeat may be huge
+    return torch.tensor((base * reps)[:n], dtype=torch.int64)
 
 
 def stream_run(model, tok, ids, policy, args, quiet=False, desc="stream"):
