@@ -121,3 +121,23 @@ def test_clear_cache_refuses_unwritable(monkeypatch):
     monkeypatch.setenv("LONGATTN_CACHE", "/proc/self")
     with pytest.raises(LongattnError, match="cannot clear the cache"):
         paths.clear_cache()
+
+
+def test_damaged_converted_entry_is_converted_again(cache, tmp_path):
+    """A byte flipped in a cached conversion is caught by the entry's checksum and the entry
+    converted again (with a warning), instead of being used."""
+    import torch
+    from tiny_gguf import write_tiny_gguf
+    from longattn.checkpoint.load import load_checkpoint
+    src = write_tiny_gguf(tmp_path / "m.gguf")
+    first = {k: v.clone() for k, v in load_checkpoint(str(src), progress=False,
+                                                     with_tokenizer=False).state_dict.items()}
+    (entry,) = (cache / "converted").iterdir()
+    weights = entry / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-100] ^= 0x40
+    weights.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="is damaged .* converting again"):
+        again = load_checkpoint(str(src), progress=False, with_tokenizer=False)
+    assert all(torch.equal(first[k], again.state_dict[k]) for k in first)
+    assert not list(cache.rglob(".tmp-*"))

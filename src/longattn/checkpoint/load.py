@@ -8,6 +8,8 @@ structural and value checks (integrity.py) and a model has been built from the c
 weights once; the entry is then written into a temporary directory and renamed into place,
 so an interrupted or failed conversion leaves nothing behind, and a second process
 converting the same file keeps the entry the first put there (see paths.atomic_dir).
+The entry records the SHA-256 of its files; one that no longer matches (damaged on disk)
+is converted again, with a warning, rather than used.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from ..config import ModelConfig
 from ..errors import LongattnError
 from .bundled import resolve_model
 from .digest import content_digest, remember_digest
-from .paths import atomic_dir, cache_root
+from .paths import atomic_dir, cache_root, remove_path, temp_prefix
 
 CONVERTER_VERSION = "2"  # bump when the converted layout changes
+CHECKSUM = "checksum.json"  # SHA-256 of the entry's files, written last
 
 
 @dataclass
@@ -100,6 +103,37 @@ def _convert_gguf(src: Path, target: Path, progress: bool) -> None:
         (tmp / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
         tok.save_pretrained(str(tmp / "tokenizer"))
         (tmp / "source.json").write_text(json.dumps({"source": str(src)}))
+        (tmp / CHECKSUM).write_text(json.dumps({"sha256": content_digest(_entry_files(tmp), remember=False)}))
+
+
+def _entry_files(entry: Path) -> list:
+    """The files of a converted entry its checksum covers: weights, config, tokenizer."""
+    tok = sorted(p for p in (entry / "tokenizer").rglob("*") if p.is_file())
+    return [entry / "model.safetensors", entry / "config.json", *tok]
+
+
+def _intact(entry: Path) -> bool:
+    """The entry's files hash to the checksum written with them (hashed once per entry:
+    the match is remembered under the files' sizes and mtimes). Entries written by older
+    converters carry no checksum and are trusted."""
+    try:
+        want = json.loads((entry / CHECKSUM).read_text())["sha256"]
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    files = _entry_files(entry)
+    got = content_digest(files, remember=False)
+    if got == want:
+        remember_digest(files, got)
+    return got == want
+
+
+def _discard(entry: Path) -> None:
+    """Take a damaged entry out of place at once (a rename), then delete it."""
+    aside = entry.parent / f"{temp_prefix()}damaged"
+    os.rename(entry, aside)
+    remove_path(aside)
 
 
 def load_checkpoint(name_or_path: str, progress: bool = True, with_tokenizer: bool = True
@@ -120,6 +154,10 @@ def load_checkpoint(name_or_path: str, progress: bool = True, with_tokenizer: bo
         raise LongattnError(f"{src} is neither a GGUF file nor an HF model directory")
     digest = content_digest([src], remember=False)
     target = cache_root() / "converted" / cache_key(digest)
+    if _complete(target) and not _intact(target):
+        warnings.warn(f"converted cache entry {target} is damaged (its checksum does not match); "
+                      "converting again", stacklevel=2)
+        _discard(target)
     if not _complete(target):
         _convert_gguf(src, target, progress)
     remember_digest([src], digest)  # only now: the file proved a good GGUF
