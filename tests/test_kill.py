@@ -137,3 +137,16 @@ def test_waiting_for_a_live_builder_times_out_with_its_name(cache, tmp_path, cap
             ensure_built(_spec(tmp_path), build_dir, timeout=0.5)
     assert "waiting for process" in capfd.readouterr().err
     assert not build_dir.exists()
+
+
+def test_two_processes_convert_the_same_file(cache, tmp_path):
+    """Both finish; one entry stays (the second keeps the first's, which may be read)."""
+    from longattn.checkpoint.load import _complete, _intact
+    warm, f = (write_tiny_gguf(tmp_path / f"{n}.gguf", seed=s) for n, s in (("w", 1), ("m", 2)))
+    both = [_child(CONVERT, cache, warm, f) for _ in range(2)]
+    for p in both:
+        assert p.stdout.readline().strip() == "ready"
+    assert [p.wait(timeout=120) for p in both] == [0, 0]
+    entries = list((cache / "converted").iterdir())
+    assert len(entries) == 2 and all(_complete(e) and _intact(e) for e in entries)
+    assert not stale_temporaries(cache)
