@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cli_helpers import assert_one_line_error, cache_listing, error_lines, hf_dir, run_cli
+from cli_helpers import assert_one_line_error, cache_listing, error_lines, run_cli
 from conftest import tiny_dir
 from tiny_gguf import SIZES, write_tiny_gguf
 

@@ -76,8 +76,9 @@ class ModelConfig:
             v = getattr(self, f)
             if not isinstance(v, int) or v <= 0:
                 bad(f"{f} must be a positive integer, got {v!r}")
-        if isinstance(self.max_context, bool) or not isinstance(self.max_context, int) or self.max_context <= 0:
-            bad(f"max_context (the trained context length) must be a positive integer, got {self.max_context!r}")
+        ctx = self.max_context
+        if isinstance(ctx, bool) or not isinstance(ctx, int) or ctx <= 0:
+            bad(f"max_context (the trained context length) must be a positive integer, got {ctx!r}")
         for f in ("rms_norm_eps", "rope_theta"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:

@@ -84,8 +84,9 @@ def verified_parts(b: Bundled) -> tuple[list[Path], str]:
                             + " ".join(b.packages))
     digest = content_digest(parts, remember=False)
     if digest != b.sha256:
-        raise LongattnError(f"model '{b.name}': the installed files do not match the pinned SHA-256 "
-                            f"({digest[:12]}… != {b.sha256[:12]}…), so they are damaged; run: {reinstall}")
+        raise LongattnError(f"model '{b.name}': the installed files do not match the pinned "
+                            f"SHA-256 ({digest[:12]}… != {b.sha256[:12]}…), so they are damaged; "
+                            f"run: {reinstall}")
     remember_digest(parts, digest)
     return parts, digest
 

@@ -76,7 +76,8 @@ def ensure_built(spec: ExtensionSpec, build_dir: Path, timeout: float | None = N
             with atomic_dir(build_dir, complete=lambda d: library_path(spec, d).exists()) as tmp:
                 _compile(spec, tmp, timeout)
     except LockTimeout as e:
-        raise BuildError(f"process {e.owner} has been building {spec.name} for over {timeout:.0f} s") from None
+        raise BuildError(f"process {e.owner} has been building {spec.name} for over "
+                         f"{timeout:.0f} s") from None
     return so
 
 
