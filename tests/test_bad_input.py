@@ -78,6 +78,7 @@ def _refused_keeping_only_good_entries(r, before: list) -> None:
     (["--seed", "1e23"], "invalid int value"),
     (["--seed", str(2 ** 70)], "seed must be an integer in [0, 2**64)"),
     (["--chunk", "0"], "--chunk must be >= 1"),
+    (["--threads", "100000"], "more than 4x this machine's"),
     (["--window", "0"], "--window must be >= 1"),
     (["--window", "8", "--policy", "dense"], "no effect under --policy dense"),
     (["--sparse-outliers", "3"], "--sparse-outliers only applies with --policy sparse"),

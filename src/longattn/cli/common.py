@@ -73,8 +73,11 @@ def add_json_arg(p: argparse.ArgumentParser) -> None:
 
 
 def setup_threads(n: int) -> None:
+    cpus = os.cpu_count() or 1
     if n is None or n < 1:
         raise LongattnError(f"--threads must be >= 1, got {n}")
+    if n > 4 * cpus:  # torch crashes starting tens of thousands of threads; beyond the CPUs they only wait
+        raise LongattnError(f"--threads {n} is more than 4x this machine's {cpus} CPUs; use at most {cpus}")
     torch.set_num_threads(n)
 
 
@@ -214,6 +217,10 @@ def run_guarded(fn, args) -> int:
         where = f": {e.filename}" if e.filename else ""
         return fail(f"error: {e.strerror or e}{where}")
     except MemoryError:
+        return fail("error: out of memory; use a smaller context, window or batch")
+    except RuntimeError as e:  # torch reports a failed allocation as a RuntimeError
+        if "allocate" not in str(e) or "memory" not in str(e):
+            raise
         return fail("error: out of memory; use a smaller context, window or batch")
 
 # ---------------------------------------------------------------- lab commands
