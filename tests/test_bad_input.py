@@ -263,6 +263,23 @@ def test_tokenizer_of_another_model(cli, tiny_hf, tmp_path):
              "the tokenizer belongs to another model", [])
 
 
+@pytest.mark.parametrize("damage,needle", [
+    (lambda t: t.fill_(float("nan")), "holds 64 non-finite values"),
+    (lambda t: t.fill_(1e6), "magnitude 1e+06"),
+    (lambda t: t[:-1].clone(), "has shape (63,), config expects (64,)"),
+])
+def test_damaged_hf_weights(cli, tiny_hf, tmp_path, damage, needle):
+    from safetensors.torch import load_file, save_file
+    d = _hf_with(tiny_hf, tmp_path, (tiny_hf / "config.json").read_text())
+    sd = load_file(str(d / "model.safetensors"))
+    key = "model.layers.1.input_layernorm.weight"
+    sd[key] = damage(sd[key].clone()).contiguous()
+    save_file(sd, str(d / "model.safetensors"))
+    r = cli("generate", "--model", d, "--max-new-tokens", 1)
+    _refused(r, needle, [])
+    assert "input_layernorm" in r.stderr
+
+
 HF_KEYS = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
            "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rope_theta",
            "rms_norm_eps", "model_type", "tie_word_embeddings", "eos_token_id"]
