@@ -105,9 +105,8 @@ def check_policy_args(args) -> None:
     if sparse and args.policy != "sparse":
         flags = ", ".join("--" + k.replace("_", "-").replace("-probe-dims", "-probe")
                           .replace("-dense-when-cheaper", "-always") for k in sparse)
-        raise LongattnError(f"{flags} {'only applies' if len(sparse) == 1 else 'only apply'} with "
-                            "--policy sparse; drop "
-                            "them or add --policy sparse")
+        verb = "only applies" if len(sparse) == 1 else "only apply"
+        raise LongattnError(f"{flags} {verb} with --policy sparse; drop them or add --policy sparse")
 
 
 def policy_from_args(cfg, args):
