@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -18,12 +19,15 @@ class SamplingConfig:
     seed: Optional[int] = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise LongattnError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise LongattnError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise LongattnError(f"top-k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise LongattnError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2 ** 64):
+            raise LongattnError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
 
 
 GREEDY_CHUNK = 512
