@@ -8,8 +8,6 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
 from ..errors import LongattnError
 
 
@@ -78,6 +76,7 @@ def setup_threads(n: int) -> None:
         raise LongattnError(f"--threads must be >= 1, got {n}")
     if n > 4 * cpus:  # torch crashes starting tens of thousands of threads; beyond the CPUs they only wait
         raise LongattnError(f"--threads {n} is more than 4x this machine's {cpus} CPUs; use at most {cpus}")
+    import torch  # here, not at module level: `longattn --help` and `models` never load torch
     torch.set_num_threads(n)
 
 

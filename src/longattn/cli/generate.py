@@ -94,7 +94,7 @@ def run(args) -> int:
     if args.compile:
         from ..engine.static_step import StaticDecoder
         session = StaticDecoder(model, policy, max_len=len(ids) + max(args.max_new_tokens, 1), compile=True)
-        print(f"-- compiling the decode step ...", file=sys.stderr, flush=True)
+        print("-- compiling the decode step ...", file=sys.stderr, flush=True)
         print(f"-- compiled in {session.warmup():.1f} s", file=sys.stderr)
     else:
         session = Session(model, policy)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
 from ..errors import LongattnError
 from .common import (add_context_arg, add_json_arg, add_model_args, add_policy_args, check_chunk,
                      check_context, check_policy_args, check_token_ids, emit_json, load_model,
@@ -32,7 +30,7 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def tokenize_text(tok, text: str, max_tokens=None, repeat: int = 1) -> torch.Tensor:
+def tokenize_text(tok, text: str, max_tokens=None, repeat: int = 1):
     if repeat < 1:
         raise LongattnError("--repeat must be >= 1")
     base = tok(text)["input_ids"]
@@ -40,6 +38,7 @@ def tokenize_text(tok, text: str, max_tokens=None, repeat: int = 1) -> torch.Ten
         raise LongattnError("--max-tokens must be >= 2")
     n = len(base) * repeat if max_tokens is None else min(len(base) * repeat, max_tokens)
     reps = -(-n // len(base)) if base else 0  # only the repeats needed: --repeat may be huge
+    import torch
     return torch.tensor((base * reps)[:n], dtype=torch.int64)
 
 
