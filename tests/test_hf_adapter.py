@@ -213,3 +213,71 @@ def test_stream_score_equals_longattn_stream():
     assert abs(ours.bits_per_token - ref) <= 2 * abs(res[torch.float32].bits_per_token - ref)
     assert ours.max_cache_bytes == ours.cache_bytes == res[torch.float32].cache_bytes
     assert ours.max_cache_tokens == W + S
+
+
+def test_refusals_are_one_clear_line():
+    from transformers import DynamicCache, MistralConfig
+    from longattn.hf.policy import check_transformers_version
+    with pytest.raises(LongattnError, match="serves llama, qwen2, qwen3, gemma3_text"):
+        lh.model_config(MistralConfig())
+    with pytest.raises(LongattnError, match="transformers >= 5.23"):
+        check_transformers_version("4.57.1")
+    with pytest.raises(LongattnError, match="transformers >= 5.23"):
+        check_transformers_version("6.0.0")
+    hf = hf_model("llama")
+    with pytest.raises(LongattnError, match="needs window=W"):
+        lh.SinkCache(hf.config)
+    with pytest.raises(LongattnError, match="sparse"):
+        lh.apply(hf, "sparse")
+    cfg = lh.model_config(hf.config)
+    with pytest.raises(LongattnError, match="sparse"):
+        lh.apply(hf, AttentionPolicy([type(AttentionPolicy.build(cfg, "window", window=4).layers[0])(
+            "sparse")] * cfg.num_layers))
+    assert hf.config._attn_implementation != "longattn"  # nothing applied by a refused call
+    cache = lh.apply(hf, window=4, sinks=1)
+    x = torch.tensor([PROMPT, PROMPT])
+    with pytest.raises(LongattnError, match="padded batches"):
+        hf(input_ids=x, attention_mask=torch.tensor([[0] + [1] * 13, [1] * 14]), past_key_values=cache)
+    with pytest.raises(LongattnError, match="needs past_key_values"):
+        hf(input_ids=x, past_key_values=DynamicCache(config=hf.config))
+    with pytest.raises(LongattnError, match="position_ids differ"):
+        hf(input_ids=x[:, :4], position_ids=torch.tensor([[5, 6, 7, 8]]), past_key_values=lh.SinkCache(
+            hf.config, window=4))
+    with pytest.raises(LongattnError, match="cannot be cropped"):
+        cache.crop(-1)
+    lh.detach(hf)
+
+
+def test_detach_restores_transformers_attention_bit_for_bit():
+    hf = hf_model("qwen2")
+    x = torch.tensor([PROMPT])
+    with torch.no_grad():
+        before = hf(input_ids=x).logits
+        with lh.attached(hf, window=4) as cache:
+            windowed = hf(input_ids=x, past_key_values=cache).logits
+        after = hf(input_ids=x).logits
+    assert torch.equal(before, after)
+    assert not torch.allclose(before, windowed)  # the window really changed the function
+    assert torch.allclose(before[:, :4], windowed[:, :4], atol=1e-5)  # not before it takes effect
+
+
+@pytest.mark.real
+def test_smollm2_generate_with_sink_cache_equals_engine():
+    """Real SmolLM2-135M: transformers' generate with SinkCache (window 24 + 4 sinks) gives
+    longattn's greedy tokens; its logits stay within twice the two implementations' own
+    disagreement on the full-attention run of the same tokens."""
+    from conftest import book_text, oracle_model, real_checkpoint, real_model
+    name, W, S, n = "smollm2-135m", 24, 4, 24
+    ck, ours, hf = real_checkpoint(name), real_model(name), oracle_model(name)
+    prompt = ck.tokenizer(book_text(600))["input_ids"][:40]
+    cache = lh.apply(hf, window=W, sinks=S)
+    tokens, hf_logits = hf_greedy(hf, cache, prompt, n)
+    lh.detach(hf)
+    pol = AttentionPolicy.build(ours.config, "window", window=W, sinks=S)
+    assert engine_greedy(ours, pol, prompt, n) == tokens
+    err = (hf_logits - engine_logits(ours, pol, prompt, tokens)).abs().max().item()
+    dense = AttentionPolicy.build(ours.config, "dense")
+    with torch.no_grad():
+        hf_dense = hf(input_ids=torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:].double()
+    base = (hf_dense - engine_logits(ours, dense, prompt, tokens)).abs().max().item()
+    assert err <= 2 * base, f"windowed {err:.3e} vs dense disagreement {base:.3e}"
