@@ -227,12 +227,9 @@ def test_refusals_are_one_clear_line():
     hf = hf_model("llama")
     with pytest.raises(LongattnError, match="needs window=W"):
         lh.SinkCache(hf.config)
-    with pytest.raises(LongattnError, match="sparse"):
-        lh.apply(hf, "sparse")
     cfg = lh.model_config(hf.config)
-    with pytest.raises(LongattnError, match="sparse"):
-        lh.apply(hf, AttentionPolicy([type(AttentionPolicy.build(cfg, "window", window=4).layers[0])(
-            "sparse")] * cfg.num_layers))
+    with pytest.raises(LongattnError, match="layers; the model has"):
+        lh.apply(hf, AttentionPolicy.build(cfg, "window", window=4).__class__([]))
     assert hf.config._attn_implementation != "longattn"  # nothing applied by a refused call
     cache = lh.apply(hf, window=4, sinks=1)
     x = torch.tensor([PROMPT, PROMPT])
@@ -281,3 +278,67 @@ def test_smollm2_generate_with_sink_cache_equals_engine():
         hf_dense = hf(input_ids=torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:].double()
     base = (hf_dense - engine_logits(ours, dense, prompt, tokens)).abs().max().item()
     assert err <= 2 * base, f"windowed {err:.3e} vs dense disagreement {base:.3e}"
+
+
+def test_equal_length_streams_batched_each_equal_engine():
+    """Two streams in one generate call: each gives the engine's single-stream tokens."""
+    W, S, n = 5, 2, 12
+    hf = hf_model("llama")
+    prompts = [PROMPT, PROMPT[::-1]]
+    out = hf.generate(torch.tensor(prompts), past_key_values=lh.apply(hf, window=W, sinks=S),
+                      max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    lh.detach(hf)
+    m = tiny_model("llama")
+    pol = AttentionPolicy.build(m.config, "window", window=W, sinks=S)
+    assert [engine_greedy(m, pol, p, n) for p in prompts] == out[:, len(PROMPT):].tolist()
+
+
+def test_banded_prefill_served_through_the_attention_function(monkeypatch):
+    """A policy whose banded threshold a prefill reaches runs longattn's banded O(T*W) op
+    inside transformers, within twice the masked path's float32 error against float64."""
+    import longattn.ops.banded as banded
+    calls = []
+    real = banded.banded_attention
+    monkeypatch.setattr(banded, "banded_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    W, S, ids = 6, 2, (PROMPT * 3)[:40]
+    hf = hf_model("qwen3")
+    cfg = lh.model_config(hf.config)
+    cache = lh.apply(hf, AttentionPolicy.build(cfg, "window", window=W, sinks=S, banded_min_tokens=16))
+    with torch.no_grad():
+        ours = hf(input_ids=torch.tensor([ids]), past_key_values=cache).logits[0].double()
+    lh.detach(hf)
+    assert len(calls) == cfg.num_layers
+    calls.clear()
+    full = {}
+    for dt in (torch.float32, torch.float64):
+        m = tiny_model("qwen3", dtype=dt)
+        pol = AttentionPolicy.build(m.config, "window", window=W, sinks=S, banded_min_tokens=None)
+        full[dt] = Session(m, pol).prefill([ids], logits="all")[0].double()
+    assert not calls
+    ref = full[torch.float64]
+    assert (ours - ref).abs().max() <= 2 * (full[torch.float32] - ref).abs().max()
+
+
+def test_sparse_scsa_cache_served_through_the_attention_function():
+    """SCSA decode inside transformers: with tau 0 it equals dense attention within the sparse
+    model test's bound (twice the dense float32 error against float64, plus 1e-6), and it
+    really read through clusters; a policy already holding an index is refused."""
+    from longattn.sparse import SCSAConfig
+    from longattn.sparse_policy import build_sparse_policy, sparse_ops
+    small = dict(cluster_size=16, rebuild_interval=64, block_size=256, recent=8, sink=2, min_context=0,
+                 outliers=2, dense_when_cheaper=False, packing="f32", calib_steps=0, tau_default=0.0)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 96, (300,), generator=g).tolist()
+    hf = hf_model("llama")
+    pol = build_sparse_policy(lh.model_config(hf.config), SCSAConfig(**small))
+    tokens, ours = hf_greedy(hf, lh.apply(hf, pol), prompt, 8)
+    assert all(op.scsa.counters["opened_rows"] > 0 for op in sparse_ops(pol))
+    with pytest.raises(LongattnError, match="fresh policy"):
+        lh.apply(hf, pol)
+    lh.detach(hf)
+    dense = {}
+    for dt in (torch.float32, torch.float64):
+        m = tiny_model("llama", dtype=dt)
+        dense[dt] = engine_logits(m, AttentionPolicy.from_config(m.config), prompt, tokens)
+    ref = dense[torch.float64]
+    assert (ours - ref).abs().max() <= 2 * (dense[torch.float32] - ref).abs().max() + 1e-6

@@ -62,7 +62,7 @@ def longattn_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
                             "re-positioned inputs are not supported (feed each stream from position 0)")
     softcap = getattr(module, "attn_logit_softcapping", None)
     out = cache.policy.op(i)(query, q_pos, key, value, layer.k_pos, scale=scaling, softcap=softcap,
-                             layer=i, cache=None)  # [B, H, T, D]
+                             layer=i, cache=cache.kv)  # [B, H, T, D]
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -99,9 +99,10 @@ def apply(model, policy: Union[str, AttentionPolicy] = "sink", *, window: Option
     Args:
         model: a transformers causal LM of a served family (llama, qwen2, qwen3, gemma3 text),
             on CPU.
-        policy: "sink" (window + sinks: ``SinkCache`` / ``ShiftingSinkCache``), an
-            AttentionPolicy built on ``longattn.hf.model_config(model.config)``, or "sparse"
-            (refused: SCSA runs in longattn's own engine).
+        policy: "sink" (window + sinks: ``SinkCache`` / ``ShiftingSinkCache``), "sparse"
+            (SCSA decode on the checkpoint's global layers, default SCSAConfig; ``window`` and
+            ``sinks`` then apply to the other layers), or an AttentionPolicy built on
+            ``longattn.hf.model_config(model.config)`` (a fresh one per cache).
         window, sinks, layers: the "sink" policy (see SinkCache).
         shift: StreamingLLM's position shift (ShiftingSinkCache).
     Returns:
@@ -112,12 +113,14 @@ def apply(model, policy: Union[str, AttentionPolicy] = "sink", *, window: Option
     _check_model(model)
     if isinstance(policy, str):
         if policy == "sparse":
-            raise LongattnError("sparse (SCSA) attention is not served through longattn.hf; run it in "
-                                "longattn's own engine (longattn generate --policy sparse)")
-        if policy != "sink":
-            raise LongattnError(f"unknown policy '{policy}': use 'sink' or an AttentionPolicy")
-        cache = (ShiftingSinkCache if shift else SinkCache)(model.config, window=window, sinks=sinks,
-                                                            layers=layers)
+            from ..sparse_policy import build_sparse_policy
+            sparse = build_sparse_policy(model_config(model.config), window=window, sinks=sinks if window else 0)
+            cache = LongattnCache(model.config, sparse, shift=shift)
+        elif policy == "sink":
+            cache = (ShiftingSinkCache if shift else SinkCache)(model.config, window=window, sinks=sinks,
+                                                                layers=layers)
+        else:
+            raise LongattnError(f"unknown policy '{policy}': use 'sink', 'sparse' or an AttentionPolicy")
     elif isinstance(policy, AttentionPolicy):
         cache = LongattnCache(model.config, policy, shift=shift)
     else:

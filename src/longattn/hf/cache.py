@@ -10,6 +10,8 @@ attention must mask by those positions (``hf/attention.py``), never by slot inde
 - ``SinkCache(config, window, sinks)``: window + sinks rings, absolute positions.
 - ``ShiftingSinkCache(config, window, sinks)``: the same rings with StreamingLLM's position
   shift (attention sees positions within the cache; sink keys re-rotated on read).
+- ``LongattnCache(config, policy)``: any longattn policy, sparse (SCSA) layers included
+  (their growing cache is the append-only one SCSA indexes; the index lives in the op).
 
 Both need the model's attention routed through longattn (``longattn.hf.apply``).
 """
@@ -92,6 +94,9 @@ class LongattnLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.owner.kv = None
+        op = self.owner.policy.op(self.index)
+        if getattr(op, "scsa", None) is not None:
+            op.scsa = None  # a sparse layer's index describes the stream being dropped
         self.seen = 0
         self.q_pos = self.k_pos = None
         self.is_initialized = False
@@ -141,9 +146,12 @@ class LongattnCache(Cache):
         cfg = self.model_config
         if len(policy.layers) != cfg.num_layers:
             raise LongattnError(f"policy has {len(policy.layers)} layers; the model has {cfg.num_layers}")
-        if any(lp.kind != "window" for lp in policy.layers):
-            raise LongattnError("longattn.hf serves window and dense policies; sparse (SCSA) layers run "
-                                "in longattn's own engine (longattn generate --policy sparse)")
+        unknown = sorted({lp.kind for lp in policy.layers} - {"window", "sparse"})
+        if unknown:
+            raise LongattnError(f"longattn.hf serves window, dense and sparse layers; not {', '.join(unknown)}")
+        if any(getattr(op, "scsa", None) is not None for op in policy.ops):
+            raise LongattnError("this sparse policy already holds another stream's SCSA index: build a "
+                                "fresh policy for each cache")
         if shift and not any(lp.window for lp in policy.layers):
             raise LongattnError("the position shift needs a windowed layer: give the policy a window")
         self.hf_config = config
