@@ -35,7 +35,7 @@ def longattn_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
     """transformers attention-function signature over a longattn cache.
 
     Args:
-        module: the attention module (``layer_idx``, optional ``attn_logit_softcapping``).
+        module: the attention module (``layer_idx``).
         query: ``[B, H, T, D]``; key, value: ``[B, Hkv, N, D]`` as the cache layer returned them.
         attention_mask: ignored (None: transformers builds none for this implementation).
         scaling: the score scale the model uses.
@@ -60,7 +60,7 @@ def longattn_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
     if position_ids is not None and not torch.equal(position_ids.expand_as(q_pos).cpu(), q_pos):
         raise LongattnError("position_ids differ from the cache's own token count: padded, packed or "
                             "re-positioned inputs are not supported (feed each stream from position 0)")
-    softcap = getattr(module, "attn_logit_softcapping", None)
+    softcap = kwargs.get("softcap")  # what the model's own attention would apply (Gemma 2 style)
     out = cache.policy.op(i)(query, q_pos, key, value, layer.k_pos, scale=scaling, softcap=softcap,
                              layer=i, cache=cache.kv)  # [B, H, T, D]
     return out.transpose(1, 2).contiguous(), None
@@ -87,9 +87,12 @@ def _check_model(model) -> None:
     model_config(model.config)  # refuses an unserved family
     if not hasattr(model, "base_model") or not hasattr(model, "set_attn_implementation"):
         raise LongattnError(f"{type(model).__name__} is not a transformers PreTrainedModel")
-    dev = next(model.parameters()).device
-    if dev.type != "cpu":
-        raise LongattnError(f"longattn.hf runs on CPU; the model is on {dev}")
+    p = next(model.parameters())
+    if p.device.type != "cpu":
+        raise LongattnError(f"longattn.hf runs on CPU; the model is on {p.device}")
+    if p.dtype not in (torch.float32, torch.float64):
+        raise LongattnError(f"longattn.hf serves float32 and float64 models; this one is {p.dtype} "
+                            "(model.float() converts it)")
 
 
 def apply(model, policy: Union[str, AttentionPolicy] = "sink", *, window: Optional[int] = None,
