@@ -231,6 +231,8 @@ def test_refusals_are_one_clear_line():
     with pytest.raises(LongattnError, match="layers; the model has"):
         lh.apply(hf, AttentionPolicy.build(cfg, "window", window=4).__class__([]))
     assert hf.config._attn_implementation != "longattn"  # nothing applied by a refused call
+    with pytest.raises(LongattnError, match="call longattn.hf.apply"):
+        hf(input_ids=torch.tensor([PROMPT]), past_key_values=lh.SinkCache(hf.config, window=4))
     cache = lh.apply(hf, window=4, sinks=1)
     x = torch.tensor([PROMPT, PROMPT])
     with pytest.raises(LongattnError, match="padded batches"):

@@ -13,7 +13,8 @@ attention must mask by those positions (``hf/attention.py``), never by slot inde
 - ``LongattnCache(config, policy)``: any longattn policy, sparse (SCSA) layers included
   (their growing cache is the append-only one SCSA indexes; the index lives in the op).
 
-Both need the model's attention routed through longattn (``longattn.hf.apply``).
+All three need the model's attention routed through longattn (``longattn.hf.apply``): a
+layer refuses to store anything while the config's attention implementation is another.
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ class LongattnLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Store ``key_states, value_states [B, Hkv, T, D]`` at the next T positions; return
         what the layer's attention may read: ``(k [B, Hkv, N, D], v)``, with ``k_pos [B, N]``."""
+        impl = getattr(self.owner.hf_config, "_attn_implementation", None)
+        if impl != "longattn":
+            raise LongattnError(f"the model's attention is '{impl}', which reads a ring's slots as if in "
+                                "position order: call longattn.hf.apply(model) before using this cache")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         B, _, T, _ = key_states.shape
@@ -110,6 +115,9 @@ class LongattnLayer(CacheLayerMixin):
         inner = self.inner
         if inner is None:
             return
+        if getattr(self.owner.policy.op(self.index), "scsa", None) is not None:
+            raise LongattnError("a sparse layer's SCSA index cannot follow reordered or repeated streams "
+                                "(beam search); use greedy or sampled decoding")
         inner.k, inner.v, inner.pos = fn(inner.k), fn(inner.v), fn(inner.pos)
         inner.B = inner.k.shape[0]
 
