@@ -344,3 +344,24 @@ def test_sparse_scsa_cache_served_through_the_attention_function():
         dense[dt] = engine_logits(m, AttentionPolicy.from_config(m.config), prompt, tokens)
     ref = dense[torch.float64]
     assert (ours - ref).abs().max() <= 2 * (dense[torch.float32] - ref).abs().max() + 1e-6
+
+
+def test_second_turn_reuses_the_cache_like_one_long_prefill():
+    """A chat's second generate call on the same cache feeds only the new tokens and continues
+    as the engine does over the whole conversation at once (the ring wrapped in between)."""
+    W, S = 6, 2
+    hf = hf_model("llama")
+    cache = lh.apply(hf, window=W, sinks=S)
+    first = hf.generate(torch.tensor([PROMPT]), past_key_values=cache, max_new_tokens=8, min_new_tokens=8,
+                        do_sample=False)
+    convo = first[0].tolist() + PROMPT[:5]
+    tokens, ours = hf_greedy(hf, cache, convo, 4)
+    lh.detach(hf)
+    assert cache.get_seq_length() == len(convo) + 3
+    res = {}
+    for dt in (torch.float32, torch.float64):
+        m = tiny_model("llama", dtype=dt)
+        res[dt] = engine_logits(m, AttentionPolicy.build(m.config, "window", window=W, sinks=S), convo, tokens)
+    assert tokens == res[torch.float32].argmax(-1).tolist()
+    ref = res[torch.float64]
+    assert (ours - ref).abs().max() <= 2 * (res[torch.float32] - ref).abs().max()
