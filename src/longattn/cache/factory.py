@@ -24,8 +24,9 @@ def make_cache(cfg, policy=None, batch: int = 1, kind: str = "auto", slack: int 
         kind: "auto" (hybrid) | "growing" | "bounded" (every layer must be windowed).
         slack: extra rotating slots per ring (>= 0); the mask still reads only the window.
         dtype: K/V storage dtype.
-        model: the Transformer; its per-layer ``inv_freq`` is handed to the rings (needed
-            for ``reindex``, and kept so eviction can find it).
+        model: the Transformer, or a list of per-layer ``inv_freq`` tensors; each layer's
+            RoPE frequencies are handed to the rings (needed for ``reindex``, and kept so
+            eviction can find them).
         reindex: StreamingLLM position re-indexing on ring layers (see cache/ring.py).
         exact_capacity: growing layers allocate exactly what they hold (byte reports).
     """
@@ -44,9 +45,11 @@ def make_cache(cfg, policy=None, batch: int = 1, kind: str = "auto", slack: int 
                             "other than 'growing')")
     if reindex and model is None:
         raise LongattnError("reindex needs the model's RoPE frequencies: make_cache(..., model=model)")
+    from .evict import layer_inv_freqs
+    freqs = layer_inv_freqs(model, cfg.num_layers) if model is not None else [None] * cfg.num_layers
     layers = []
     for i, (lp, name) in enumerate(zip(policy.layers, plan)):
-        inv_f = model.model.layers[i].self_attn.inv_freq if model is not None else None
+        inv_f = freqs[i]
         if name == "ring":
             layers.append(LAYER_CACHES["ring"](batch, cfg.num_kv_heads, cfg.head_dim, lp.window + slack,
                                                lp.sinks, dtype, inv_freq=inv_f, reindex=reindex))
