@@ -25,7 +25,7 @@ import torch
 import longattn.hf
 from longattn.checkpoint import load_checkpoint
 from longattn.checkpoint.oracle import oracle_model
-from longattn.stream import resident_bytes
+from longattn.lab.stream import resident_bytes
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -15,7 +15,7 @@ import longattn.hf as lh
 from longattn.cache.factory import make_cache
 from longattn.errors import LongattnError
 from longattn.policy import AttentionPolicy
-from longattn.session import Session
+from longattn.engine.session import Session
 
 
 def hf_model(family: str, **over):
@@ -194,7 +194,7 @@ def test_stream_score_equals_longattn_stream():
     """longattn.hf.stream_score equals longattn's own stream (same ids, chunks and policy):
     bits/token within twice longattn's float32 error against float64; cache bounded."""
     from conftest import book_text
-    from longattn.stream import stream_score
+    from longattn.lab.stream import stream_score
     W, S, chunk = 24, 4, 64
     text = book_text(700)
     tok = _char_tokenizer(96)
@@ -326,7 +326,7 @@ def test_sparse_scsa_cache_served_through_the_attention_function():
     model test's bound (twice the dense float32 error against float64, plus 1e-6), and it
     really read through clusters; a policy already holding an index is refused."""
     from longattn.sparse import SCSAConfig
-    from longattn.sparse_policy import build_sparse_policy, sparse_ops
+    from longattn.sparse.policy import build_sparse_policy, sparse_ops
     small = dict(cluster_size=16, rebuild_interval=64, block_size=256, recent=8, sink=2, min_context=0,
                  outliers=2, dense_when_cheaper=False, packing="f32", calib_steps=0, tau_default=0.0)
     g = torch.Generator().manual_seed(0)

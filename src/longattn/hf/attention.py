@@ -116,7 +116,7 @@ def apply(model, policy: Union[str, AttentionPolicy] = "sink", *, window: Option
     _check_model(model)
     if isinstance(policy, str):
         if policy == "sparse":
-            from ..sparse_policy import build_sparse_policy
+            from ..sparse.policy import build_sparse_policy
             sparse = build_sparse_policy(model_config(model.config), window=window, sinks=sinks if window else 0)
             cache = LongattnCache(model.config, sparse, shift=shift)
         elif policy == "sink":

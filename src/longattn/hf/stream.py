@@ -8,7 +8,7 @@ import torch
 
 from ..errors import LongattnError
 from ..policy import AttentionPolicy
-from ..stream import StreamResult, stream_score as _stream_score
+from ..lab.stream import StreamResult, stream_score as _stream_score
 from .attention import attached
 
 
@@ -34,7 +34,7 @@ def stream_score(model, tokenizer, text_iter: Iterable[str], policy: Union[str, 
         policy, **kw: as for ``apply`` (e.g. ``window=1024, sinks=4``).
         chunk: tokens per forward.
     Returns:
-        longattn.stream.StreamResult: positions 1..N-1 scored, each from everything the
+        longattn.lab.stream.StreamResult: positions 1..N-1 scored, each from everything the
         policy lets it read; cache bytes per chunk (constant once the rings are full).
 
     The token ids are held (8 bytes a token); the K/V cache is what stays bounded.
