@@ -13,9 +13,6 @@ threshold per KV head.
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from typing import NamedTuple
 
 import torch
@@ -23,6 +20,7 @@ import torch.nn.functional as F
 
 from ..errors import LongattnError
 from ..ops import native
+from . import taus as tau_io
 from .calibrate import Calibrator, group_error
 from .config import SCSAConfig
 from .index import ClusterIndex
@@ -186,22 +184,12 @@ class SCSALayer:
         ``SCSAConfig.exact_when_unmet``; or the sparse call would cost more than the dense read,
         see ``SCSAConfig.dense_when_cheaper``): the layer then runs dense.
         """
-        if torch.is_tensor(taus):
-            taus = taus.flatten().tolist()
-        elif not isinstance(taus, (list, tuple)):
-            taus = [taus]
-        if len(taus) == 1:
-            taus = list(taus) * self.num_kv_heads
-        exact = [t is None for t in taus]
-        t = torch.tensor([0.0 if x is None else x for x in taus], dtype=torch.float32)
-        if t.numel() != self.num_kv_heads or not bool(((t >= 0) & (t <= 1)).all()):
-            raise LongattnError(f"set_taus: need {self.num_kv_heads} values in [0, 1] (or None: exact), "
-                                f"got {taus}")
+        t, exact = tau_io.tau_tensors(taus, self.num_kv_heads)
         self._hot = None
         self.taus = t  # float32, contiguous: the native call takes it as it is
-        self.exact_heads = torch.tensor(exact, dtype=torch.bool)
+        self.exact_heads = exact
         self.calibrated = True
-        self._runs_exact = any(exact)
+        self._runs_exact = bool(exact.any())
 
     @property
     def runs_exact(self) -> bool:
@@ -217,7 +205,7 @@ class SCSALayer:
 
     def tau_values(self) -> list:
         """Frozen taus per KV head, ``None`` where the head attends exactly."""
-        return [None if e else t for t, e in zip(self.taus.tolist(), self.exact_heads.tolist())]
+        return tau_io.tau_values(self.taus, self.exact_heads)
 
     def choose_taus(self, tolerance: float | None = None) -> list:
         """The calibrated choice per KV head at ``tolerance`` (default the configured one):
@@ -234,35 +222,11 @@ class SCSALayer:
 
     def save_taus(self, path) -> None:
         """Merge this layer's taus into the JSON file ``{"layer:head": tau}`` (atomic write)."""
-        path = os.fspath(path)
-        data = {}
-        if os.path.exists(path):
-            data = _read_taus(path)
-        for h, t in enumerate(self.tau_values()):
-            data[f"{self.layer_index}:{h}"] = t  # None (JSON null): the head attends exactly
-        folder = os.path.dirname(os.path.abspath(path))
-        tmp = None
-        try:
-            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1, sort_keys=True)
-            os.replace(tmp, path)
-        except OSError as e:
-            if tmp is not None and os.path.exists(tmp):
-                os.unlink(tmp)
-            raise LongattnError(f"cannot write taus to {path}: {e.strerror}") from None
+        tau_io.save_taus(path, self.layer_index, self.tau_values())
 
     def load_taus(self, path) -> None:
         """Load this layer's taus from a file written by ``save_taus`` and end calibration."""
-        path = os.fspath(path)
-        data = _read_taus(path)
-        keys = [f"{self.layer_index}:{h}" for h in range(self.num_kv_heads)]
-        missing = [key for key in keys if key not in data]
-        if missing:
-            raise LongattnError(f"{path} has no taus for layer {self.layer_index} heads "
-                                f"{', '.join(key.split(':')[1] for key in missing)}; recalibrate or "
-                                f"check the layer index")
-        self.set_taus([data[key] for key in keys])
+        self.set_taus(tau_io.load_taus(path, self.layer_index, self.num_kv_heads))
 
     def reset(self) -> None:
         """Forget every index (a new sequence); taus and counters are kept."""
@@ -573,21 +537,6 @@ class SCSALayer:
 def _gather_rows(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``t [Hkv, Nn, D]`` rows at ``ids [Hkv, F]`` -> ``[Hkv, F, D]``."""
     return t.gather(1, ids.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
-
-
-def _read_taus(path: str) -> dict:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise LongattnError(f"tau file {path} does not exist; calibrate first and save_taus") from None
-    except (OSError, ValueError) as e:
-        raise LongattnError(f"tau file {path} is not readable JSON ({e}); "
-                            f"delete it and recalibrate") from None
-    if not isinstance(data, dict) or not all(x is None or isinstance(x, (int, float)) for x in data.values()):
-        raise LongattnError(f"tau file {path} must map \"layer:head\" to numbers (or null: exact); "
-                            f"delete it and recalibrate")
-    return data
 
 
 def _leaves_under(tree, node: int) -> list[int]:
