@@ -20,12 +20,12 @@ import torch.nn.functional as F
 
 from ..errors import LongattnError
 from ..ops import native
+from . import calibrate
 from . import taus as tau_io
-from .calibrate import Calibrator, group_error
 from .config import SCSAConfig
 from .index import ClusterIndex
-from .kernel import (NEG_INF, Selection, mask_to_ids, merged_output, needed, probe_mask, probe_opened,
-                     refine_opened, select_flat, select_tree)
+from .kernel import (NEG_INF, Selection, mask_to_ids, merged_output, probe_mask, probe_opened, refine_opened,
+                     select_flat, select_tree)
 from .prepared import Prepared, prepare
 from .serial import serial_row
 
@@ -117,7 +117,7 @@ class SCSALayer:
         self.exact_heads = torch.zeros(num_kv_heads, dtype=torch.bool)
         self._runs_exact = False  # calibrated and exact_heads.any(), as a Python bool (hot path)
         self.calibrated = cfg.calib_steps == 0
-        self.calibrator = Calibrator(cfg.tau_grid, cfg.calib_steps, cfg.tolerance, num_kv_heads,
+        self.calibrator = calibrate.Calibrator(cfg.tau_grid, cfg.calib_steps, cfg.tolerance, num_kv_heads,
                                      cfg.calib_quantile)
         # predicted sparse / dense cost at the calibrated taus (choose_taus; None before)
         self.cost_ratio: float | None = None
@@ -163,7 +163,7 @@ class SCSALayer:
             self.counters["exact_rows"] += B * self.num_kv_heads * N
             return self._dense(q, k, v, scale)
         if not self.calibrated:
-            return self._calibration_call(q, k, v, scale)
+            return calibrate.calibration_call(self, q, k, v, scale)
         if B == 1:  # the decode loop's case: no per-row list, stack or cast beyond what is needed
             k0, v0 = k[0], v[0]
             out = self._row(0, q[0, :, 0], k0, v0, scale, self.taus).view(1, H, 1, D)
@@ -212,13 +212,8 @@ class SCSALayer:
         a tau, or ``None`` where none meets it and ``exact_when_unmet`` is on. With
         ``dense_when_cheaper``, ``None`` for every head when the sparse calls at the chosen taus
         would cost more than the dense read (``cost_ratio`` > 1; see cost.py)."""
-        taus = self.calibrator.choose(self.cfg.tau_default, tolerance).tolist()
-        self.cost_ratio = self.calibrator.cost_ratio(tolerance)
-        if self.cfg.dense_when_cheaper and self.cost_ratio is not None and self.cost_ratio > 1.0:
-            return [None] * self.num_kv_heads
-        if not self.cfg.exact_when_unmet:
-            return taus
-        return [None if u else t for t, u in zip(taus, self.calibrator.unmet(tolerance).tolist())]
+        taus, self.cost_ratio = calibrate.choose_taus(self.calibrator, self.cfg, self.num_kv_heads, tolerance)
+        return taus
 
     def save_taus(self, path) -> None:
         """Merge this layer's taus into the JSON file ``{"layer:head": tau}`` (atomic write)."""
@@ -466,72 +461,17 @@ class SCSALayer:
         return out.view(self.num_kv_heads, self.group, self.head_dim), sel, int(rows)
 
     def replay_errors(self, index: ClusterIndex, prep: Prepared, o_exact: torch.Tensor, scale: float) -> torch.Tensor:
-        """Replay the stop rule at every tau of the calibration grid for one row.
-
-        Args:
-            index: the row's cluster index; prep: ``_prepare``'s quantities for the call;
-            o_exact: float32 ``[Hkv, g, D]``, the call's exact output.
-        Returns:
-            float64 ``[T, Hkv]``: the sparse output's error (``cfg.calib_metric``) at each tau.
-        """
+        """The sparse output's error at every tau of the calibration grid for one row, float64
+        ``[T, Hkv]`` (``calibrate.replay``)."""
         return self.replay(index, prep, o_exact, scale)[0]
 
     def replay(self, index: ClusterIndex, prep: Prepared, o_exact: torch.Tensor, scale: float):
-        """``replay_errors`` and the member rows each tau opens: ``(errors float64 [T, Hkv],
-        opened rows int64 [T, Hkv])``."""
-        grid = self.calibrator.grid.float()
-        counts = index.counts[:index.num_clusters]
-        errs, rows = [], []
-        if self.cfg.hierarchical:
-            for tau in grid:
-                o_tau, sel = self._sparse(index, prep, scale, tau.expand(self.num_kv_heads))
-                errs.append(group_error(o_tau, o_exact, self.cfg.calib_metric))  # [Hkv]
-                rows.append((sel.opened.long() * counts).sum(-1))
-            return torch.stack(errs), torch.stack(rows)
-        # one sort for the whole grid; equal selections share one output
-        taus = grid.unsqueeze(1).expand(-1, self.num_kv_heads)
-        opened = needed(prep.est, prep.log_exact, taus)
-        if self.cfg.probe_dims:  # the same clusters at every tau
-            opened = opened | self._probe(index, prep)
-        if self.cfg.refine:  # calibration reads everything anyway: every cluster's mass once
-            log_mass = self._cluster_log_mass(index, prep, torch.ones_like(opened[0]), scale)
-            for _ in range(self.cfg.refine):
-                opened = refine_opened(opened, prep.est, prep.log_exact, log_mass, taus)
-        last, err = None, None
-        for mask in opened:  # [Hkv, M] per tau
-            if last is None or not torch.equal(mask, last):
-                sel = Selection(mask, None, ~mask, 0)
-                o_tau = self._output(index, prep, sel, prep.tail, index.live_vmean, scale)
-                err = group_error(o_tau, o_exact, self.cfg.calib_metric)  # [Hkv]
-                last = mask
-            errs.append(err)
-        return torch.stack(errs), (opened.long() * counts).sum(-1)
+        """``calibrate.replay``: errors float64 ``[T, Hkv]`` and opened rows int64 ``[T, Hkv]``."""
+        return calibrate.replay(self, index, prep, o_exact, scale)
 
     def probed_rows(self, index: ClusterIndex) -> int:
-        """Rows the probe scores per call, summed over the KV heads: every packed member row when
-        ``probe_dims`` is on, else 0 (what the cost rule prices, cost.PER_PROBED)."""
-        return self.num_kv_heads * index.packed_rows if self.cfg.probe_dims else 0
-
-    def _calibration_call(self, q, k, v, scale):
-        """Exact output; replays every tau of the grid and records the errors."""
-        out = self._dense(q, k, v, scale)
-        B = q.shape[0]
-        self.counters["exact_rows"] += B * self.num_kv_heads * k.shape[2]
-        tables, reads = [], []
-        n = k.shape[2]
-        for b, index in enumerate(self.indexes):
-            if index.num_clusters == 0:
-                continue
-            o_exact = out[b, :, 0].float().view(self.num_kv_heads, self.group, self.head_dim)
-            prep = self._prepare(index, q[b, :, 0], k[b], v[b], scale)
-            errors, opened = self.replay(index, prep, o_exact, scale)
-            tables.append(errors)
-            reads.append((n, index.num_clusters, self.num_kv_heads * index.exact_count(n), opened,
-                          self.probed_rows(index)))
-        self.calibrator.record(tables, reads)
-        if self.calibrator.done:
-            self.set_taus(self.choose_taus())
-        return out
+        """Rows the probe scores per call, summed over the KV heads (``calibrate.probed_rows``)."""
+        return calibrate.probed_rows(self.cfg, self.num_kv_heads, index)
 
 
 def _gather_rows(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
