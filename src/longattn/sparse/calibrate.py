@@ -36,7 +36,8 @@ import torch
 from .config import SCSAConfig
 from .cost import dense_cost, sparse_cost
 from .index import ClusterIndex
-from .kernel import Selection, needed, refine_opened
+from .experimental.refine import refine_opened
+from .kernel import Selection, needed
 from .prepared import Prepared
 
 

@@ -21,7 +21,7 @@ DEFAULT_TAU_GRID = (0.0,) + tuple(round(0.0025 * 2 ** (i / 2), 6) for i in range
 #   "head":  the worst query head's ||o_tau - o|| / ||o||;
 #   "group": ||O_tau - O||_F / ||O||_F over the g heads' outputs together (<= "head" always).
 CALIB_METRICS = ("head", "group")
-# How the hierarchical tree groups leaf clusters (see tree.similarity_order):
+# How the hierarchical tree groups leaf clusters (see experimental/tree.py similarity_order):
 #   "similar": leaves with similar centroids share a subtree (default);
 #   "cache":   consecutive clusters of the cache (for comparison).
 TREE_ORDERS = ("similar", "cache")

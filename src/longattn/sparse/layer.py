@@ -23,9 +23,10 @@ from ..ops import native
 from . import calibrate
 from . import taus as tau_io
 from .config import SCSAConfig
+from .experimental.refine import refine_opened
+from .experimental.tree_walk import leaves_under, select_tree
 from .index import ClusterIndex
-from .kernel import (NEG_INF, Selection, mask_to_ids, merged_output, probe_mask, probe_opened, refine_opened,
-                     select_flat, select_tree)
+from .kernel import NEG_INF, Selection, mask_to_ids, merged_output, probe_mask, probe_opened, select_flat
 from .prepared import Prepared, prepare
 from .serial import serial_row
 
@@ -320,7 +321,7 @@ class SCSALayer:
     def refine(self, index: ClusterIndex, prep: Prepared, sel: Selection, taus: torch.Tensor, scale: float,
                rounds: int) -> Selection:
         """A flat selection re-decided up to ``rounds`` times with the opened clusters' exact masses
-        (``kernel.refine_opened``; stops early once nothing more opens)."""
+        (``experimental.refine.refine_opened``; stops early once nothing more opens)."""
         opened = sel.opened
         log_mass = self._cluster_log_mass(index, prep, opened, scale)
         for _ in range(rounds):
@@ -479,17 +480,6 @@ def _gather_rows(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return t.gather(1, ids.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
 
 
-def _leaves_under(tree, node: int) -> list[int]:
-    stack, out = [node], []
-    while stack:
-        x = stack.pop()
-        if bool(tree.is_leaf[x]):
-            out.append(x)
-        else:
-            stack.extend(c for c in tree.children[x].tolist() if c >= 0)
-    return out
-
-
 def _accounting(index: ClusterIndex, sel: Selection | None, n: int) -> dict:
     """Per-slot contribution counts of one row (debug only; python loops are fine here)."""
     hkv = index.hkv
@@ -513,7 +503,7 @@ def _accounting(index: ClusterIndex, sel: Selection | None, n: int) -> dict:
                 opened_rows[h] += slots.numel()
             for pos in sel.tail_mask[h].nonzero().flatten().tolist():
                 node = int(sel.tail_ids[h, pos])
-                leaves = _leaves_under(index.tree, node) if index.tree is not None and \
+                leaves = leaves_under(index.tree, node) if index.tree is not None and \
                     index.cfg.hierarchical else [node]
                 for c in leaves:
                     slots = index.slots[h, c][index.slots[h, c] >= 0]
