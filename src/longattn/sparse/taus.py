@@ -45,13 +45,24 @@ def tau_values(taus: torch.Tensor, exact: torch.Tensor) -> list:
 
 def save_taus(path, layer_index: int, values: list) -> None:
     """Merge one layer's ``values`` (a tau or ``None`` per KV head) into the tau file at ``path``
-    (created when missing; written atomically, so a failed write leaves the old file)."""
+    (created when missing; see ``write_taus``)."""
     path = os.fspath(path)
     data = {}
     if os.path.exists(path):
         data = read_taus(path)
-    for h, t in enumerate(values):
-        data[f"{layer_index}:{h}"] = t  # None (JSON null): the head attends exactly
+    data.update(layer_entries(layer_index, values))
+    write_taus(path, data)
+
+
+def layer_entries(layer_index: int, values: list) -> dict:
+    """One layer's entries of a tau file, ``{"layer:head": tau or None}``."""
+    return {f"{layer_index}:{h}": t for h, t in enumerate(values)}  # None (JSON null): exact
+
+
+def write_taus(path, data: dict) -> None:
+    """Write the tau file ``data`` (``{"layer:head": tau or None}``) to ``path`` atomically: a
+    failed write leaves the old file as it was and no temporary file behind."""
+    path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     tmp = None
     try:
