@@ -9,6 +9,11 @@ clusters' packed rows and exact attention over them (see ``kernel.py``).
 Heads: query head ``i`` reads KV head ``i // (H // Hkv)`` (the ``repeat_interleave`` grouping).
 The ``H // Hkv`` query heads of a group read the union of their selections, so ``taus`` holds one
 threshold per KV head.
+
+This module holds the operator: a row's PyTorch path (``Prepared`` quantities, selection, the
+merged output), its native call (``NativeArgs``) and the decode loop's shortcut. ``SCSALayer``
+composes it with calibration (``calibrate.py``: the calibrating call, the tau-grid replay, the
+choice) and tau IO (``taus.py``), which its public methods call.
 """
 
 from __future__ import annotations
