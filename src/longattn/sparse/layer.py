@@ -124,7 +124,7 @@ class SCSALayer:
         self._runs_exact = False  # calibrated and exact_heads.any(), as a Python bool (hot path)
         self.calibrated = cfg.calib_steps == 0
         self.calibrator = calibrate.Calibrator(cfg.tau_grid, cfg.calib_steps, cfg.tolerance, num_kv_heads,
-                                     cfg.calib_quantile)
+                                               cfg.calib_quantile)
         # predicted sparse / dense cost at the calibrated taus (choose_taus; None before)
         self.cost_ratio: float | None = None
         self.indexes: list[ClusterIndex] = []
