@@ -236,19 +236,21 @@ def oracle_net(k: int, probe: str = "exact", r: int = 0):
     its ``k`` highest-scoring member keys by ``probe_scores`` (PyTorch path only: set
     ``native=False``)."""
     prepare, select = SCSALayer._prepare, SCSALayer._select
+    k_rows = {}  # id(Prepared) -> the row's keys: a selection always follows its row's prepare
 
     def prepare_keep(self, index, q_row, k_row, v_row, scale, flat_scores=None):
         prep = prepare(self, index, q_row, k_row, v_row, scale, flat_scores)
-        prep["k_row"] = k_row
+        k_rows.clear()
+        k_rows[id(prep)] = k_row
         return prep
 
     def select_net(self, index, prep, scale, taus, hierarchical=None):
         sel, tail, v_tail = select(self, index, prep, scale, taus, hierarchical)
         M, cs = index.num_clusters, self.cfg.cluster_size
         slots = index.slots[:, :M].reshape(self.num_kv_heads, -1)  # [Hkv, M * cs], -1 = padding
-        keys = prep["k_row"].float().gather(1, slots.clamp(min=0).unsqueeze(-1).expand(-1, -1, self.head_dim))
+        keys = k_rows[id(prep)].float().gather(1, slots.clamp(min=0).unsqueeze(-1).expand(-1, -1, self.head_dim))
         centres = index.live_summ[:, :, 0].repeat_interleave(cs, 1)  # [Hkv, M * cs, D]
-        s = probe_scores(prep["qg"], keys, probe, r, centres).masked_fill((slots < 0).unsqueeze(1), float("-inf"))
+        s = probe_scores(prep.qg, keys, probe, r, centres).masked_fill((slots < 0).unsqueeze(1), float("-inf"))
         top = s.topk(min(k, s.shape[-1]), -1).indices // cs  # [Hkv, g, k] cluster ids
         opened = sel.opened.clone().scatter_(1, top.flatten(1), True)
         return Selection(opened, sel.tail_ids, ~opened, sel.scored), tail, v_tail

@@ -21,7 +21,7 @@ DEFAULT_TAU_GRID = (0.0,) + tuple(round(0.0025 * 2 ** (i / 2), 6) for i in range
 #   "head":  the worst query head's ||o_tau - o|| / ||o||;
 #   "group": ||O_tau - O||_F / ||O||_F over the g heads' outputs together (<= "head" always).
 CALIB_METRICS = ("head", "group")
-# How the hierarchical tree groups leaf clusters (see tree.similarity_order):
+# How the hierarchical tree groups leaf clusters (see experimental/tree.py similarity_order):
 #   "similar": leaves with similar centroids share a subtree (default);
 #   "cache":   consecutive clusters of the cache (for comparison).
 TREE_ORDERS = ("similar", "cache")
@@ -35,9 +35,10 @@ class SCSAConfig:
         cluster_size: most keys per leaf cluster.
         rank: eigenpairs kept per cluster covariance (0..8); the rest is a residual diagonal.
         power_iterations: power-iteration steps per eigenpair.
-        packing: member-row storage: "q8_0" (int8, one scale per 32-value block), "f16", or
-            "f32" (full precision; a diagnostic packing that makes tau = 0 equal dense to
-            floating-point rounding).
+        packing: member-row storage: "q8_0" (int8, one scale per 32-value block; the native
+            kernel's packing). "f16" and "f32" are experimental (PyTorch path only): "f32" is
+            full precision, a diagnostic packing that makes tau = 0 equal dense to
+            floating-point rounding.
         rebuild_interval: the sealed region grows in steps of this many tokens.
         block_size: a region of this many sealed rows is clustered once and frozen for good
             (a multiple of rebuild_interval, so blocks freeze exactly at a rebuild).
@@ -59,23 +60,10 @@ class SCSAConfig:
         tau_grid: thresholds replayed during calibration (ascending, in [0, 1]).
         calib_metric: "head" (worst query head's relative output error, the default) or
             "group" (relative error of the KV group's outputs taken together; see CALIB_METRICS).
-        hierarchical: select by a best-first walk of an interval tree over the clusters.
-        tree_fanout: children per internal tree node (hierarchical mode).
-        tree_order: "similar" (group leaf clusters with similar centroids, the default) or
-            "cache" (group consecutive clusters); see TREE_ORDERS.
-        serial: use the slow per-cluster reference path (diagnostics, tests).
         native: run flat q8_0 calls after calibration through the C++ kernel
             (``longattn_cpu::scsa_decode``) where it is built; False keeps the PyTorch ops
             (the reference the kernel is tested against, and an A/B arm for benchmarks).
         min_context: below this many cached tokens the layer runs dense, exactly.
-        refine: re-decisions after the read (flat selection, PyTorch path). Each one replaces
-            the opened clusters' estimated masses in the stop rule's total by their exact masses
-            (over the packed rows) and opens, best-first, what the rule then still needs. The
-            first decision is taken on estimates alone, and the clusters it opens first are the
-            ones most overestimated (a mixed cluster's capped estimate can sit tens of nats
-            above its true mass), which shrinks every other cluster's share of the estimated
-            total; a re-decision only ever opens more. 0 (default) keeps the single decision
-            taken before any read. Calibration replays the same rule.
         probe_dims: a key-level safety net for flat selection (0, the default, is off). Each
             call scores every sealed member key approximately, ``q.c + q_S.(k - c)_S`` over the
             ``probe_dims`` dimensions S where the query head's ``|q_i|`` is largest (c the key's
@@ -95,6 +83,23 @@ class SCSAConfig:
             head) attends exactly after calibration, instead of running at the smallest tau
             and silently missing its tolerance. One such head makes the whole layer exact (one
             native call serves every head of a layer).
+
+    Experimental (research variants of selection, off by default; their code lives in
+    ``sparse/experimental/``, the native kernel takes none of them):
+        hierarchical: select by a best-first walk of an interval tree over the clusters.
+        tree_fanout: children per internal tree node (hierarchical mode).
+        tree_order: "similar" (group leaf clusters with similar centroids, the default) or
+            "cache" (group consecutive clusters); see TREE_ORDERS.
+        refine: re-decisions after the read (flat selection, PyTorch path). Each one replaces
+            the opened clusters' estimated masses in the stop rule's total by their exact masses
+            (over the packed rows) and opens, best-first, what the rule then still needs. The
+            first decision is taken on estimates alone, and the clusters it opens first are the
+            ones most overestimated (a mixed cluster's capped estimate can sit tens of nats
+            above its true mass), which shrinks every other cluster's share of the estimated
+            total; a re-decision only ever opens more. 0 (default) keeps the single decision
+            taken before any read. Calibration replays the same rule.
+        serial: use the slow per-cluster reference path (the reference the fast paths are
+            tested against; diagnostics).
     """
 
     cluster_size: int = 128
@@ -112,17 +117,18 @@ class SCSAConfig:
     tau_default: float = 0.05
     tau_grid: tuple = DEFAULT_TAU_GRID
     calib_metric: str = "head"
-    hierarchical: bool = False
-    tree_fanout: int = 4
-    tree_order: str = "similar"
-    serial: bool = False
     native: bool = True
     exact_when_unmet: bool = True
     min_context: int = 8192
     dense_when_cheaper: bool = True
-    refine: int = 0
     probe_dims: int = 0
     probe_keys: int = 1
+    # --- experimental (see the docstring's last block) ---
+    hierarchical: bool = False
+    tree_fanout: int = 4
+    tree_order: str = "similar"
+    refine: int = 0
+    serial: bool = False
 
     def __post_init__(self) -> None:
         self.validate()

@@ -22,8 +22,8 @@ import torch
 
 from .clustering import cluster_block, outlier_width
 from .config import SCSAConfig
+from .experimental.tree import ClusterTree, build_tree
 from .packing import make_store
-from .tree import ClusterTree, build_tree
 
 
 class ClusterIndex:

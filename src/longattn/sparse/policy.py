@@ -12,6 +12,7 @@ from typing import Optional
 
 from ..errors import LongattnError
 from ..policy import AttentionPolicy, LayerPolicy, WindowOp, register_op
+from . import taus as tau_io
 from .config import SCSAConfig
 from .layer import SCSALayer
 
@@ -112,11 +113,10 @@ def preset_taus(policy: AttentionPolicy, cfg, taus: dict) -> None:
 
 
 def save_taus(policy: AttentionPolicy, path) -> None:
-    import json
+    """Write every sparse layer's taus that has run a decode step to the tau file ``path``
+    (replacing it; ``SCSALayer.load_taus`` reads it back layer by layer)."""
     taus = {}
     for op in sparse_ops(policy):
         if op.scsa is not None:
-            for h, t in enumerate(op.scsa.tau_values()):
-                taus[f"{op.layer_index}:{h}"] = t
-    with open(path, "w") as f:
-        json.dump(taus, f, indent=1)
+            taus.update(tau_io.layer_entries(op.layer_index, op.scsa.tau_values()))
+    tau_io.write_taus(path, taus)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .config import TREE_ORDERS
+from ..config import TREE_ORDERS
 
 POWER_STEPS = 6
 
