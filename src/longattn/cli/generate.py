@@ -39,11 +39,8 @@ def encode_prompt(tok, text: str, chat: bool) -> list:
     if chat:
         if not getattr(tok, "chat_template", None):
             raise LongattnError("this checkpoint has no chat template; drop --chat")
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                      tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+        from ..chat import chat_ids
+        return chat_ids(tok, [{"role": "user", "content": text}])
     return list(tok(text)["input_ids"])
 
 
