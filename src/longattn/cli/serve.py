@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 from ..errors import LongattnError
@@ -31,6 +32,8 @@ def add_parser(sub) -> None:
                    help="prompt tokens per engine step (decode steps of other requests run between chunks)")
     p.add_argument("--prefix-cache", type=int, default=16,
                    help="finished conversations kept for prefix reuse (0 = off)")
+    p.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="on SIGTERM/SIGINT, seconds to let requests in flight finish before they are cut")
     add_policy_args(p)
     p.set_defaults(func=run)
 
@@ -58,8 +61,11 @@ def run(args) -> int:
           f"{config.block_size} tokens, {engine.pool.block_bytes * config.num_blocks / 2**20:.0f} MiB)",
           file=sys.stderr, flush=True)
     # uvicorn turns SIGTERM/SIGINT into a graceful shutdown: no new connections, requests in
-    # flight finish, then the app's lifespan stops the engine.
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    # flight finish, then the app's lifespan stops the engine. Afterwards it raises the signal
+    # again under the handler it found; a no-op SIGTERM handler makes a drained stop exit 0.
+    signal.signal(signal.SIGTERM, lambda sig, frame: None)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                timeout_graceful_shutdown=args.drain_timeout)
     return 0
 
 

@@ -115,6 +115,8 @@ class Metrics:
         self.steps = 0
         self.step_seconds = 0.0
         self.last_step_seconds = 0.0
+        self.decode_batch = 0       # rows of the latest batched decode step
+        self.peak_decode_batch = 0
 
 
 class Engine:
@@ -321,6 +323,8 @@ class Engine:
             if r.pending is not None:
                 groups.setdefault(r.policy_key, []).append(r)
         for key, rs in groups.items():
+            self.metrics.decode_batch = len(rs)
+            self.metrics.peak_decode_batch = max(self.metrics.peak_decode_batch, len(rs))
             cache = PagedKVCache(self.cfg, self.pool, [r.stream for r in rs])
             tokens = torch.tensor([[r.pending] for r in rs])          # [B, 1]
             pos = cache.next_position()                                # [B, 1]

@@ -42,6 +42,8 @@ def render_metrics(engine) -> str:
         f"longattn_step_seconds_sum {m.step_seconds:.6f}",
         f"longattn_step_seconds_count {m.steps}",
     ]
+    out += _family("longattn_decode_batch_size", "gauge", "Requests in the latest batched decode step.",
+                   [({}, m.decode_batch)])
     out += _family("longattn_last_step_seconds", "gauge", "The latest engine step's time.",
                    [({}, f"{m.last_step_seconds:.6f}")])
     return "\n".join(out) + "\n"
