@@ -167,6 +167,9 @@ def test_openai_client_completions_chat_and_streams(server):
     stop = full[3:5]
     r = c.completions.create(model=NAME, prompt="The moon is", max_tokens=12, temperature=0, stop=[stop])
     assert r.choices[0].text == full[:full.index(stop)] and r.choices[0].finish_reason == "stop"
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=NAME, prompt="The moon is", max_tokens=12, temperature=0, stop=[stop], stream=True))
+    assert streamed == r.choices[0].text  # nothing past the stop string was streamed
 
     # a per-request policy override runs that policy
     r = c.completions.create(model=NAME, prompt="x" * 40, max_tokens=8, temperature=0,
@@ -361,3 +364,26 @@ def test_sigterm_drains_in_flight_requests_and_exits(served_dir, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.real
+def test_incremental_text_equals_decoding_everything():
+    """Token-by-token text == decoding all ids at once, on a real byte-level BPE (SmolLM2's:
+    leading spaces, multi-byte characters split over tokens)."""
+    from conftest import real_checkpoint
+    from longattn.serve.detok import IncrementalText
+    tok = real_checkpoint("smollm2-135m").tokenizer
+    text = "Héllo  wörld — naïve café, 東京 and 🙂 emoji.\n  Indented line\twith tab."
+    ids = tok(text)["input_ids"]
+    inc = IncrementalText(tok)
+    assert "".join(inc.push(t) for t in ids) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_cli_refuses_what_it_cannot_serve(capsys):
+    from longattn.cli.main import main
+    assert main(["serve", "--model", "smollm2-135m", "--policy", "sparse"]) == 2
+    assert main(["serve", "--model", "smollm2-135m", "--port", "70000"]) == 2
+    assert main(["serve", "--model", "smollm2-135m", "--kv-blocks", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(l.startswith("longattn: error: ") for l in err)
+    assert "sparse" in err[0] and "--port" in err[1] and "--kv-blocks" in err[2]

@@ -39,9 +39,12 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    import uvicorn
+    try:
+        import uvicorn
 
-    from ..serve.app import create_app
+        from ..serve.app import create_app
+    except ModuleNotFoundError as e:
+        raise LongattnError(f"serve needs {e.name}: pip install 'longattn[serve]' (fastapi and uvicorn)") from None
     from ..serve.engine import Engine, EngineConfig
     setup_threads(args.threads)
     if not 0 < args.port < 65536:

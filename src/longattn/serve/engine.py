@@ -294,9 +294,9 @@ class Engine:
 
     def _reuse(self, r: Request) -> Optional[PagedStream]:
         """Take over the retained stream sharing the longest usable prefix with ``r.prompt``."""
+        self.metrics.prefix_queries += 1
         if not self.retained:
             return None
-        self.metrics.prefix_queries += 1
         best, best_n = None, 0
         for key, (pk, toks, st) in self.retained.items():
             if pk != r.policy_key:
