@@ -83,10 +83,12 @@ def create_app(engine: Engine, model_id: str) -> FastAPI:
         key = (body.policy.window, body.policy.sinks) if body.policy else ()
         max_tokens = body.max_tokens
         if max_tokens is None:
+            # a reply without a limit ends by the context: what is left of it under a policy
+            # with global layers, the context's length when every layer is windowed
             room = engine.cfg.max_context - len(prompt)
-            max_tokens = default_max if default_max is not None else room
-            if not engine.bounded(key):
-                max_tokens = min(max_tokens, room)
+            if engine.bounded(key):
+                room = engine.cfg.max_context
+            max_tokens = min(default_max, room) if default_max is not None else room
             if max_tokens < 1:
                 raise APIError(400, f"the prompt ({len(prompt)} tokens) leaves no room in the model's "
                                     f"context of {engine.cfg.max_context} tokens", "messages", "context_length_exceeded")
