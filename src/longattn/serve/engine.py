@@ -38,6 +38,9 @@ from .detok import IncrementalText
 
 log = logging.getLogger("longattn.serve")
 
+# distinct per-request policies remembered (each holds its own mask memo)
+MAX_POLICIES = 32
+
 
 class QueueFull(Exception):
     """The admission queue is full; the client should retry after ``retry_after`` seconds."""
@@ -156,6 +159,8 @@ class Engine:
         if key not in self.policies:
             window, sinks = key
             self.policies[key] = AttentionPolicy.build(self.cfg, "window", window=window, sinks=sinks)
+            if len(self.policies) > MAX_POLICIES:  # requests keep their own reference
+                del self.policies[next(k for k in self.policies if k != ())]
         return self.policies[key]
 
     def bounded(self, key: tuple = ()) -> bool:
