@@ -18,7 +18,7 @@ from conftest import tiny_model
 from longattn.cache import make_cache
 from longattn.cache.paged import BlockPool, PagedKVCache, PagedStream, PoolExhausted, blocks_bound
 from longattn.policy import AttentionPolicy
-from longattn.session import Session
+from longattn.engine.session import Session
 
 TOL = 1e-10
 

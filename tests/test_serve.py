@@ -33,10 +33,10 @@ uvicorn = pytest.importorskip("uvicorn")
 from longattn.checkpoint import load_checkpoint  # noqa: E402
 from longattn.models import build_model  # noqa: E402
 from longattn.policy import AttentionPolicy  # noqa: E402
-from longattn.sampling import SamplingConfig  # noqa: E402
+from longattn.engine.sampling import SamplingConfig  # noqa: E402
 from longattn.serve.app import create_app  # noqa: E402
-from longattn.serve.engine import Engine, EngineConfig, Request  # noqa: E402
-from longattn.session import Session, generate  # noqa: E402
+from longattn.serve.batching import Engine, EngineConfig, Request  # noqa: E402
+from longattn.engine.session import Session, generate  # noqa: E402
 
 CONTEXT = 256
 NAME = "tiny"

@@ -45,7 +45,7 @@ def run(args) -> int:
         from ..serve.app import create_app
     except ModuleNotFoundError as e:
         raise LongattnError(f"serve needs {e.name}: pip install 'longattn[serve]' (fastapi and uvicorn)") from None
-    from ..serve.engine import Engine, EngineConfig
+    from ..serve.batching import Engine, EngineConfig
     setup_threads(args.threads)
     if not 0 < args.port < 65536:
         raise LongattnError(f"--port must be in 1..65535, got {args.port}")

@@ -21,8 +21,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 
 from ..errors import LongattnError
-from ..sampling import SamplingConfig
-from .engine import Engine, QueueFull, Request
+from ..engine.sampling import SamplingConfig
+from .batching import Engine, QueueFull, Request
 from .metrics import render_metrics
 from .protocol import APIError, ChatRequest, CompletionRequest, Sampling, validation_message
 

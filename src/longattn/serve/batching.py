@@ -31,9 +31,9 @@ from typing import Callable, Optional
 import torch
 
 from ..cache.paged import BlockPool, PagedKVCache, PagedStream, blocks_bound
+from ..engine.sampling import SamplingConfig, sample
 from ..errors import LongattnError, check_int
 from ..policy import AttentionPolicy
-from ..sampling import SamplingConfig, sample
 from .detok import IncrementalText
 
 log = logging.getLogger("longattn.serve")
