@@ -23,14 +23,6 @@ from longattn.engine.session import Session
 TOL = 1e-10
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _run(m, pol, ids, cache_of, prompt=20, chunk=6):
     """Prefill ``prompt`` tokens in chunks, then step one token at a time: all logits [T, V]."""
     s = Session(m, pol, cache_of())

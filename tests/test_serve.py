@@ -95,13 +95,15 @@ def start_server(engine: Engine):
 @pytest.fixture(scope="module")
 def server(checkpoint):
     ck, model = checkpoint
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: a second thread only adds wake-ups
     engine = Engine(model, ck.tokenizer, AttentionPolicy.from_config(ck.config),
                     EngineConfig(block_size=4, num_blocks=1024, max_batch=3, max_queue=2, chunk=16),
                     stop_ids=ck.config.eos_token_ids).start()
     url, stop = start_server(engine)
     yield url, engine, ck, model
     stop()
+    torch.set_num_threads(threads)
     assert not engine._thread.is_alive()  # the lifespan's end stopped the engine
 
 
@@ -387,3 +389,58 @@ def test_cli_refuses_what_it_cannot_serve(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and all(l.startswith("longattn: error: ") for l in err)
     assert "sparse" in err[0] and "--port" in err[1] and "--kv-blocks" in err[2]
+
+
+def _engine(checkpoint, policy=None, **cfg):
+    ck, model = checkpoint
+    pol = policy or AttentionPolicy.from_config(ck.config)
+    return Engine(model, ck.tokenizer, pol, EngineConfig(**{"block_size": 4, "num_blocks": 512, **cfg}),
+                  stop_ids=()).start()
+
+
+def test_windowed_conversation_memory_stays_flat_past_the_context(checkpoint):
+    """400 tokens on a window of 8 with 4 sinks, past the model's context of 256: the blocks held
+    stop growing once the window is full, and stay within what admission reserved."""
+    ck, _ = checkpoint
+    pol = AttentionPolicy.build(ck.config, "window", window=8, sinks=4)
+    engine = _engine(checkpoint, pol)
+    used, done = [], threading.Event()
+    req = Request(prompt=list(range(3, 13)), max_tokens=400, sampling=SamplingConfig(),
+                  emit=lambda kind, p: used.append(engine.pool.used) if kind == "text" else done.set())
+    try:
+        engine.submit(req)
+        assert done.wait(120) and req.finish_reason == "length" and len(req.generated) == 400
+        # blocks come and go as the window crosses block boundaries; the range never grows
+        assert max(used[50:200]) == max(used[200:]) <= req.need
+        assert min(used[50:200]) == min(used[200:])
+        assert max(used) < ck.config.num_layers * -(-CONTEXT // 4) // 8
+        assert engine.pool.used == engine.snapshot()["blocks_retained"]
+    finally:
+        engine.stop()
+
+
+def test_a_long_prefill_does_not_stall_decoding_requests(checkpoint):
+    engine = _engine(checkpoint, chunk=4)
+    order, first_a, done = [], threading.Event(), threading.Event()
+
+    def emit(name):
+        def f(kind, p):
+            if kind == "text":
+                order.append(name)
+                if name == "a":
+                    first_a.set()
+            else:
+                done.set() if name == "b" else None
+        return f
+    try:
+        a = Request(prompt=[5, 6, 7], max_tokens=60, sampling=SamplingConfig(), emit=emit("a"))
+        engine.submit(a)
+        assert first_a.wait(60)
+        b = Request(prompt=list(range(3, 63)), max_tokens=2, sampling=SamplingConfig(), emit=emit("b"))
+        engine.submit(b)
+        assert done.wait(60)
+        # b's 60-token prompt took 15 chunks, each beside one decode step of a
+        between = order[order.index("a") + 1:order.index("b")]
+        assert between.count("a") >= 10
+    finally:
+        engine.stop(drain=False)
