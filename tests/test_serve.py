@@ -279,6 +279,15 @@ def test_disconnects_free_blocks_and_a_full_queue_answers_429(server):
     assert _wait(lambda: engine.snapshot()["running"] == 0 and engine.snapshot()["queue"] == 0)
     snap = engine.snapshot()
     assert snap["blocks_used"] == snap["blocks_retained"] <= base  # nothing left held by the streams
+    # a non-stream request whose client leaves is cancelled too
+    host, port = url.removeprefix("http://").split(":")
+    c = http.client.HTTPConnection(host, int(port), timeout=60)
+    c.request("POST", "/v1/completions", body=json.dumps(long))
+    assert _wait(lambda: engine.snapshot()["running"] == 1)
+    c.sock.shutdown(socket.SHUT_RDWR)
+    c.close()
+    assert _wait(lambda: engine.snapshot()["running"] == 0)
+    assert engine.snapshot()["blocks_used"] == engine.snapshot()["blocks_retained"]
 
 
 def test_next_chat_turn_prefills_only_new_tokens(server):

@@ -28,9 +28,6 @@ from .protocol import APIError, ChatRequest, CompletionRequest, Sampling, valida
 
 log = logging.getLogger("longattn.serve")
 
-# how often a non-stream request checks that its client is still there
-DISCONNECT_POLL_S = 0.5
-
 
 def create_app(engine: Engine, model_id: str) -> FastAPI:
     """A FastAPI app serving ``engine`` under the model name ``model_id``; its lifespan's end
@@ -110,6 +107,12 @@ def create_app(engine: Engine, model_id: str) -> FastAPI:
             raise APIError(400, str(e), None, code)
         return q
 
+    async def client_gone(request: HTTPRequest) -> None:
+        """Returns once the client has disconnected (the body is already read, so the next
+        message a request receives is the disconnect)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
     def usage(r: Request) -> dict:
         return {"prompt_tokens": len(r.prompt), "completion_tokens": len(r.generated),
                 "total_tokens": len(r.prompt) + len(r.generated),
@@ -131,25 +134,29 @@ def create_app(engine: Engine, model_id: str) -> FastAPI:
             return StreamingResponse(stream_events(q, req, rid, kind, include_usage, path),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         text = []
-        while True:
-            try:
-                ev, payload = await asyncio.wait_for(q.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
+        gone = asyncio.ensure_future(client_gone(request))
+        try:
+            while True:
+                get = asyncio.ensure_future(q.get())
+                await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
                     engine.cancel(req)
                     log_done(path, req, 499)
                     return JSONResponse({}, status_code=499)
-                continue
-            except asyncio.CancelledError:
-                engine.cancel(req)
-                raise
-            if ev == "text":
-                text.append(payload)
-            elif ev == "error":
-                log.info("POST %s 500 id=%s %s", path, req.id, payload)
-                return JSONResponse(APIError(500, payload, kind="server_error").body(), status_code=500)
-            else:
-                break
+                ev, payload = get.result()
+                if ev == "text":
+                    text.append(payload)
+                elif ev == "error":
+                    log.info("POST %s 500 id=%s %s", path, req.id, payload)
+                    return JSONResponse(APIError(500, payload, kind="server_error").body(), status_code=500)
+                else:
+                    break
+        except asyncio.CancelledError:
+            engine.cancel(req)
+            raise
+        finally:
+            gone.cancel()
         log_done(path, req)
         out = "".join(text)
         choice = ({"index": 0, "message": {"role": "assistant", "content": out}, "finish_reason": req.finish_reason,
