@@ -91,7 +91,7 @@ def create_app(engine: Engine, model_id: str) -> FastAPI:
                                     f"context of {engine.cfg.max_context} tokens", "messages", "context_length_exceeded")
         return Request(prompt=prompt, max_tokens=max_tokens,
                        sampling=SamplingConfig(body.temperature, 0, body.top_p, body.seed),
-                       emit=None, stop=list(body.stop or []), policy_key=key)
+                       emit=None, stop=list(body.stop or []), policy_key=key, ignore_eos=body.ignore_eos)
 
     async def submit(req: Request) -> asyncio.Queue:
         loop = asyncio.get_running_loop()

@@ -82,6 +82,7 @@ class Request:
     emit: Callable
     stop: list = field(default_factory=list)          # stop strings
     policy_key: tuple = ()                            # () = the server's policy
+    ignore_eos: bool = False                          # end-of-turn tokens do not end it
     id: str = ""
     # filled by the engine
     policy: Optional[AttentionPolicy] = None
@@ -358,7 +359,7 @@ class Engine:
         t = int(sample(logits, r.sampling, r.generator)[0])
         if r.t_first is None:
             r.t_first = time.perf_counter()
-        if t in self.stop_ids:
+        if t in self.stop_ids and not r.ignore_eos:
             return self._finish(r, reason="stop")
         r.generated.append(t)
         self.metrics.generation_tokens += 1

@@ -56,6 +56,7 @@ class Sampling(Strict):
     frequency_penalty: float = 0.0
     logit_bias: Optional[dict] = None
     policy: Optional[PolicyOverride] = None
+    ignore_eos: bool = False  # keep generating past the model's end-of-turn token (load tests)
 
     @field_validator("max_tokens")
     @classmethod
