@@ -400,11 +400,25 @@ def test_cli_refuses_what_it_cannot_serve(capsys):
     assert "sparse" in err[0] and "--port" in err[1] and "--kv-blocks" in err[2]
 
 
-def _engine(checkpoint, policy=None, **cfg):
+def _engine(checkpoint, policy=None, stop_ids=(), **cfg):
     ck, model = checkpoint
     pol = policy or AttentionPolicy.from_config(ck.config)
     return Engine(model, ck.tokenizer, pol, EngineConfig(**{"block_size": 4, "num_blocks": 512, **cfg}),
-                  stop_ids=()).start()
+                  stop_ids=stop_ids).start()
+
+
+def test_end_of_turn_tokens_end_a_request_unless_ignore_eos(checkpoint):
+    engine = _engine(checkpoint, stop_ids=range(96))  # every token ends the turn
+    try:
+        for ignore, want in ((False, 0), (True, 5)):
+            done = threading.Event()
+            req = Request(prompt=[5, 6], max_tokens=5, sampling=SamplingConfig(), ignore_eos=ignore,
+                          emit=lambda kind, p: done.set() if kind != "text" else None)
+            engine.submit(req)
+            assert done.wait(60) and len(req.generated) == want
+            assert req.finish_reason == ("length" if ignore else "stop")
+    finally:
+        engine.stop()
 
 
 def test_windowed_conversation_memory_stays_flat_past_the_context(checkpoint):

@@ -253,10 +253,10 @@ class Engine:
                 cancel, self._cancel = self._cancel, set()
                 if self._stopping and not (self.waiting or self.running):
                     return
-            self._drop(cancel)
-            self._admit()
             t0 = time.perf_counter()
             try:
+                self._drop(cancel)
+                self._admit()
                 self._decode()
                 self._prefill()
             except Exception as e:  # a failed step fails its requests, not the server
