@@ -467,3 +467,28 @@ def test_a_long_prefill_does_not_stall_decoding_requests(checkpoint):
         assert between.count("a") >= 10
     finally:
         engine.stop(drain=False)
+
+
+def test_a_request_the_pool_cannot_hold_yet_waits_and_then_runs(checkpoint):
+    from longattn.serve.batching import QueueFull
+    from longattn.errors import LongattnError
+    engine = _engine(checkpoint, num_blocks=30, max_queue=1, retain=0)  # one request of 18 blocks fits
+    events = []
+    try:
+        reqs = [Request(prompt=[5, 6], max_tokens=20, sampling=SamplingConfig(), ignore_eos=True,
+                        emit=lambda kind, p, i=i: events.append((i, kind))) for i in range(3)]
+        assert reqs[0].max_tokens and engine.blocks_needed(engine.policy_for(()), 2, 20) == 18
+        engine.submit(reqs[0])
+        engine.submit(reqs[1])
+        with pytest.raises(QueueFull):
+            engine.submit(reqs[2])
+        assert _wait(lambda: sum(k == "done" for _, k in events) == 2, 60)
+        done = [i for i, k in events if k == "done"]
+        assert done == [0, 1] and all(len(r.generated) == 20 for r in reqs[:2])
+        # request 1 produced nothing before request 0 finished: it waited for blocks
+        assert events.index((0, "done")) < min(n for n, e in enumerate(events) if e[0] == 1)
+        assert engine.pool.used == 0
+        with pytest.raises(LongattnError, match="pool holds 30"):
+            engine.submit(Request(prompt=[5, 6], max_tokens=200, sampling=SamplingConfig(), emit=print))
+    finally:
+        engine.stop()

@@ -196,8 +196,7 @@ class Engine:
         with self._cv:
             if self._stopping:
                 raise QueueFull(retry_after=5)
-            if len(self._inbox) + len(self.waiting) >= self.config.max_queue and \
-                    not self._fits_now(req):
+            if self._queued_with(req) > self.config.max_queue:
                 self.metrics.requests["rejected"] += 1
                 raise QueueFull(retry_after=self._retry_after())
             req.id = req.id or f"{next(self._ids)}"
@@ -236,8 +235,19 @@ class Engine:
 
     # ------------------------------------------------------------------ the engine thread
 
-    def _fits_now(self, req: Request) -> bool:
-        return len(self.running) < self.config.max_batch and self.reserved + req.need <= self.pool.num_blocks
+    def _queued_with(self, req: Request) -> int:
+        """How many requests would wait for admission with ``req`` added: admission is first in,
+        first out, so the requests ahead take batch rows and blocks first, and once one does not
+        fit every later one waits too."""
+        rows = self.config.max_batch - len(self.running)
+        free = self.pool.num_blocks - self.reserved
+        queued = 0
+        for r in list(self.waiting) + self._inbox + [req]:
+            if queued == 0 and rows > 0 and r.need <= free:
+                rows, free = rows - 1, free - r.need
+            else:
+                queued += 1
+        return queued
 
     def _retry_after(self) -> int:
         per_step = self.metrics.step_seconds / max(1, self.metrics.steps)
