@@ -276,9 +276,11 @@ def test_disconnects_free_blocks_and_a_full_queue_answers_429(server):
     for c in conns:  # every client goes away mid-stream
         c.sock.shutdown(socket.SHUT_RDWR)
         c.close()
-    assert _wait(lambda: engine.snapshot()["running"] == 0 and engine.snapshot()["queue"] == 0)
-    snap = engine.snapshot()
-    assert snap["blocks_used"] == snap["blocks_retained"] <= base  # nothing left held by the streams
+    def settled():
+        snap = engine.snapshot()
+        return snap["running"] == snap["queue"] == 0 and snap["blocks_used"] == snap["blocks_retained"]
+    assert _wait(settled)  # nothing left held by the streams
+    assert engine.snapshot()["blocks_used"] <= base
     # a non-stream request whose client leaves is cancelled too
     host, port = url.removeprefix("http://").split(":")
     c = http.client.HTTPConnection(host, int(port), timeout=60)
@@ -286,8 +288,7 @@ def test_disconnects_free_blocks_and_a_full_queue_answers_429(server):
     assert _wait(lambda: engine.snapshot()["running"] == 1)
     c.sock.shutdown(socket.SHUT_RDWR)
     c.close()
-    assert _wait(lambda: engine.snapshot()["running"] == 0)
-    assert engine.snapshot()["blocks_used"] == engine.snapshot()["blocks_retained"]
+    assert _wait(settled)
 
 
 def test_next_chat_turn_prefills_only_new_tokens(server):
