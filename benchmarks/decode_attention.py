@@ -3,8 +3,8 @@ matmul form (two batched matmuls and a masked softmax, the path inductor compile
 both eager, on the bundled models' head shapes with a window-1,024 + 4-sink ring (1,029 slots)
 and Gemma 3's 512-slot local ring.
 
-Each arm reads a different buffer per call, cycling through 64 MiB of buffers (past the L3 of
-the AMD machine of sessions 1-7; the Intel machine's 300 MB L3 holds them). Where the CPU has
+Each arm reads a different buffer per call, cycling through 64 MiB of buffers (larger than
+many CPUs' L3, so most reads come from memory as in a model's step). Where the CPU has
 AVX-512, the fused kernel's two row loops run forced as two more arms (``fused-avx2``,
 ``fused-avx512``, same bits; ``fused`` is the automatic choice, AVX2 on AMD). Arms alternated in every
 repeat; medians; JSON under benchmarks/results/.
@@ -15,21 +15,18 @@ repeat; medians; JSON under benchmarks/results/.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from longattn.ops import native  # noqa: E402
-from longattn.ops.masks import allowed_mask  # noqa: E402
-from longattn.static_decode import attend_buffer_and_self  # noqa: E402
+from longattn.ops import native
+from longattn.ops.masks import allowed_mask
+from longattn.ops.attention import attend_buffer_and_self
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from common import RESULTS, write_result
 # name -> (query heads, KV heads, slots, head dim, window, sinks)
 SHAPES = {
     "smollm2-135m ring": (9, 3, 1029, 64, 1024, 4),
@@ -98,7 +95,7 @@ def main():
     RESULTS.mkdir(parents=True, exist_ok=True)
     doc = {"threads": args.threads, "calls": args.calls, "repeats": args.repeats, "torch": torch.__version__,
            "fused_form": "avx512" if native.dense_attention_avx512() else "avx2", "rows": rows}
-    Path(args.out).write_text(json.dumps(doc, indent=1))
+    write_result(args.out, doc)
     print(f"wrote {args.out}")
 
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import platform
 import statistics
@@ -47,20 +46,19 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from longattn.checkpoint import load_checkpoint  # noqa: E402
-from longattn.data import all_books_text  # noqa: E402
-from longattn.host import cpu_description  # noqa: E402
-from longattn.models import build_model  # noqa: E402
-from longattn.models.weights import parse_recipe  # noqa: E402
-from longattn.ops import int8_kernel  # noqa: E402
-from longattn.policy import AttentionPolicy  # noqa: E402
-from longattn.sampling import greedy  # noqa: E402
-from longattn.session import Session  # noqa: E402
-from longattn.static_decode import StaticDecoder  # noqa: E402
+from longattn.checkpoint import load_checkpoint
+from longattn.data import all_books_text
+from longattn.host import cpu_description
+from longattn.models import build_model
+from longattn.models.weights import parse_recipe
+from longattn.ops import int8_kernel
+from longattn.policy import AttentionPolicy
+from longattn.engine.sampling import greedy
+from longattn.engine.session import Session
+from longattn.engine.static_step import StaticDecoder
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from common import RESULTS, write_result
 WINDOW, SINKS = 1024, 4
 SCSA_CALIB = 32  # SCSAConfig.calib_steps: untimed steps before a sparse arm's timed ones
 
@@ -102,7 +100,7 @@ def sparse_policy(cfg) -> AttentionPolicy:
     and calibration each time: library defaults but for the group error metric (the SCSA
     tables' setting) and no minimum context."""
     from longattn.sparse import SCSAConfig
-    from longattn.sparse_policy import build_sparse_policy
+    from longattn.sparse.policy import build_sparse_policy
     return build_sparse_policy(cfg, SCSAConfig(min_context=0, calib_metric="group"))
 
 
@@ -332,7 +330,7 @@ def main():
            "int8_kernel": int8_kernel.kernel_name(), "static_attention": args.static_attention,
            "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
            "cpus": os.cpu_count(), "cpu": cpu_description(), "llama_cpp": getattr(llama_cpp, "__version__", None), "rows": rows}
-    Path(args.out).write_text(json.dumps(doc, indent=1))
+    write_result(args.out, doc)
     plot(doc, Path(args.out).with_suffix(".png"))
     print(f"wrote {args.out}")
 

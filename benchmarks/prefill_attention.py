@@ -23,11 +23,9 @@ so a smoke run never overwrites the full result).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -38,12 +36,10 @@ from pathlib import Path
 # loads; an explicit OMP_WAIT_POLICY in the environment wins. Recorded in the JSON.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
+import torch  # noqa: E402  (after the OpenMP setting above)
 import torch.nn.functional as F  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-
+from common import RESULTS, write_result  # noqa: E402
 from longattn.lab.arithmetic import attention_pairs  # noqa: E402
 from longattn.ops.banded import banded_attention, default_block_size, plan_blocks  # noqa: E402
 
@@ -202,10 +198,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/...)")
     args = p.parse_args(argv)
     result = run(args)
-    out = args.out or (ROOT / "benchmarks" / "results" /
+    out = args.out or (RESULTS /
                        ("prefill_attention_quick.json" if args.quick else "prefill_attention.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result)
     print(f"wrote {out}")
     return 0
 

@@ -34,27 +34,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from longattn.host import cpu_description  # noqa: E402
-from longattn.ops import native  # noqa: E402
-from longattn.policy import AttentionPolicy  # noqa: E402
-from longattn.sparse import SCSAConfig, SCSALayer  # noqa: E402
-from longattn.sparse.index import ClusterIndex  # noqa: E402
-from longattn.sparse_policy import build_sparse_policy  # noqa: E402
-from longattn.static_decode import StaticDecoder  # noqa: E402
-from scsa_decode import load_model, prefix_cache, truncate  # noqa: E402
+from longattn.host import cpu_description
+from longattn.ops import native
+from longattn.policy import AttentionPolicy
+from longattn.sparse import SCSAConfig, SCSALayer
+from longattn.sparse.index import ClusterIndex
+from longattn.sparse.policy import build_sparse_policy
+from longattn.engine.static_step import StaticDecoder
 
-RESULTS = Path(__file__).resolve().parent / "results"
+
+from common import RESULTS, load_model, prefix_cache, truncate, write_result
 
 
 def withhold_copies(slot_cfgs: set) -> None:
@@ -242,7 +238,7 @@ def main():
                   flush=True)
             rows.append(row)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({
+    write_result(args.out, {
         "model": args.model, "weights": args.weights, "threads": args.threads, "rounds": args.rounds,
         "block": args.block, "tolerances": args.tolerances, "outliers": args.outliers, "metric": args.metric,
         "probes": args.probes, "probe_keys": args.probe_keys, "outlier_slots": args.outlier_slots, "general": args.general,
@@ -250,7 +246,7 @@ def main():
         "cpu": cpu_description(),
         # the dense attention's loops under --forms auto (AVX2 on AMD, see native.avx512)
         "auto_dense_attention_form": "avx512" if native.dense_attention_avx512() else "avx2",
-        "rows": rows}, indent=1))
+        "rows": rows})
     print(f"wrote {args.out}")
 
 

@@ -32,25 +32,22 @@ Writes benchmarks/results/scsa_call.json. Do not run beside tests or builds.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from longattn.host import cpu_description  # noqa: E402
-from longattn.ops import native  # noqa: E402
-from longattn.sparse import SCSAConfig, SCSALayer  # noqa: E402
-from longattn.sparse import layer as layer_mod  # noqa: E402
-from longattn.sparse.synthetic import synthetic_cache  # noqa: E402
-from longattn.static_sparse import SparseState  # noqa: E402
+from longattn.host import cpu_description
+from longattn.ops import native
+from longattn.sparse import SCSAConfig, SCSALayer
+from longattn.sparse import layer as layer_mod
+from longattn.sparse.synthetic import synthetic_cache
+from longattn.sparse.static_op import SparseState
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from common import RESULTS, write_result
 H, HKV, D = 14, 2, 64
 
 
@@ -180,9 +177,10 @@ def main():
         print("   reads " + ", ".join(f"{a} {r:.1f} GB/s" for a, r in row["dense_read_gb_s"].items()), flush=True)
         print("   opened " + "  ".join(f"{a}: {100 * f:.1f}%" for a, f in opened.items()), flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"threads": args.threads, "cpu": cpu_description(), "shape": [H, HKV, D],
-                                          "calls": args.calls, "copies": args.copies, "outliers": args.outliers, "outlier_slots": args.outlier_slots,
-                                          "python": args.python, "repeats": args.repeats, "rows": rows}, indent=1))
+    write_result(args.out, {"threads": args.threads, "cpu": cpu_description(), "shape": [H, HKV, D],
+                            "calls": args.calls, "copies": args.copies, "outliers": args.outliers,
+                            "outlier_slots": args.outlier_slots, "python": args.python,
+                            "repeats": args.repeats, "rows": rows})
     print(f"wrote {args.out}")
 
 

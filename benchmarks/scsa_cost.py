@@ -32,20 +32,18 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from longattn.host import cpu_description  # noqa: E402
-from longattn.lab.plots import write_json  # noqa: E402
-from longattn.ops import native  # noqa: E402
-from longattn.policy import LayerPolicy, WindowOp  # noqa: E402
-from longattn.sparse import SCSAConfig, SCSALayer, cost  # noqa: E402
-from longattn.sparse.synthetic import synthetic_cache  # noqa: E402
+from longattn.host import cpu_description
+from longattn.lab.plots import write_json
+from longattn.ops import native
+from longattn.policy import LayerPolicy, WindowOp
+from longattn.sparse import SCSAConfig, SCSALayer, cost
+from longattn.sparse.synthetic import synthetic_cache
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from common import RESULTS
 H, HKV, D = 14, 2, 64
 
 

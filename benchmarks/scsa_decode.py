@@ -23,8 +23,6 @@ Writes benchmarks/results/scsa_decode.json and .png. Do not run beside tests or 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -32,64 +30,16 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from longattn.cache import KVCache  # noqa: E402
-from longattn.checkpoint import load_checkpoint  # noqa: E402
-from longattn.data import all_books_text  # noqa: E402
-from longattn.host import cpu_description  # noqa: E402
-from longattn.models import build_model  # noqa: E402
-from longattn.ops import native  # noqa: E402
-from longattn.policy import AttentionPolicy  # noqa: E402
-from longattn.sparse import SCSAConfig  # noqa: E402
-from longattn.sparse_policy import build_sparse_policy, sparse_ops  # noqa: E402
-from longattn.static_decode import StaticDecoder  # noqa: E402
+from longattn.cache import KVCache
+from longattn.host import cpu_description
+from longattn.ops import native
+from longattn.policy import AttentionPolicy
+from longattn.sparse import SCSAConfig
+from longattn.sparse.policy import build_sparse_policy, sparse_ops
+from longattn.engine.static_step import StaticDecoder
 
-RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def load_model(args):
-    """Threads set, ``(checkpoint, model in args.weights, the books' token ids)``."""
-    torch.set_num_threads(args.threads)
-    ck = load_checkpoint(args.model)
-    model = build_model(ck.config, ck.state_dict, weights=args.weights)
-    return ck, model, ck.tokenizer(all_books_text())["input_ids"]
-
-
-def truncate(cache: KVCache, n: int) -> None:
-    for layer in cache.layers:
-        layer.truncate(n)
-    cache.next_pos = torch.full_like(cache.next_pos, n)
-
-
-def extend_prefix(model, cache, policy, ids, start, n, chunk):
-    """Prefill the book's tokens ``ids[start:n]`` into ``cache`` (holding ``start`` of them) in
-    ``chunk``-token pieces, with progress on stderr."""
-    for s in range(start, n, chunk):
-        model(torch.tensor([ids[s:min(n, s + chunk)]]), cache=cache, policy=policy, logits="none")
-        print(f"\rprefill {min(n, s + chunk)}/{n}", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
-
-
-def prefix_cache(model, cfg, ids, n, chunk, path):
-    """The n-token prefix cache of the book's ``ids``: loaded from ``path`` when it holds one at
-    least that long (cut back to n), else prefilled in ``chunk``-token pieces and, with a
-    ``path``, saved there (written aside and renamed, so a killed run leaves no half file).
-    The file must come from the same model and weight format."""
-    if path and os.path.exists(path):
-        cache = torch.load(path, weights_only=False)
-        have = int(cache.next_pos.max())
-        if have >= n:
-            truncate(cache, n)
-            return cache
-        print(f"{path} holds {have} tokens, fewer than {n}: prefilling", file=sys.stderr)
-    cache = KVCache(cfg, 1)
-    extend_prefix(model, cache, AttentionPolicy.from_config(cfg), ids, 0, n, chunk)
-    if path:
-        tmp = f"{path}.tmp"
-        torch.save(cache, tmp)
-        os.replace(tmp, path)
-    return cache
+from common import RESULTS, extend_prefix, load_model, prefix_cache, truncate, write_result
 
 
 def run_dense(model, cache, policy, first_tok, steps):
@@ -247,7 +197,7 @@ def main():
                ("native-avx512" if native.avx512() else "native-avx2") if native.available() else "torch",
            "tolerance": args.tolerance, "metric": args.metric, "cpu": cpu_description(), "rows": rows, "sustained": sustained, "prefill_seconds": prefill_s,
            "prefix_from_file": bool(args.cache_file), "dense_attention_form": "avx512" if native.dense_attention_avx512() else "avx2"}
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    write_result(args.out, out)
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -42,28 +42,25 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from longattn.cache import KVCache  # noqa: E402
-from longattn.checkpoint import load_checkpoint  # noqa: E402
-from longattn.data import all_books_text  # noqa: E402
-from longattn.lab import tasks as T  # noqa: E402
-from longattn.models import build_model  # noqa: E402
-from longattn.policy import AttentionPolicy  # noqa: E402
-from longattn.sparse import SCSAConfig  # noqa: E402
-from longattn.sparse.kernel import Selection  # noqa: E402
-from longattn.sparse.layer import SCSALayer  # noqa: E402
-from longattn.sparse_policy import build_sparse_policy, policy_taus, preset_taus, retune, sparse_ops  # noqa: E402
+from longattn.cache import KVCache
+from longattn.checkpoint import load_checkpoint
+from longattn.data import all_books_text
+from longattn.lab import tasks as T
+from longattn.models import build_model
+from longattn.policy import AttentionPolicy
+from longattn.sparse import SCSAConfig
+from longattn.sparse.kernel import Selection
+from longattn.sparse.layer import SCSALayer
+from longattn.sparse.policy import build_sparse_policy, policy_taus, preset_taus, retune, sparse_ops
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from common import RESULTS, write_result
 RETRIEVAL_TASKS = ("passkey", "niah_multikey_1", "vt")
 
 
@@ -239,19 +236,21 @@ def oracle_net(k: int, probe: str = "exact", r: int = 0):
     its ``k`` highest-scoring member keys by ``probe_scores`` (PyTorch path only: set
     ``native=False``)."""
     prepare, select = SCSALayer._prepare, SCSALayer._select
+    k_rows = {}  # id(Prepared) -> the row's keys: a selection always follows its row's prepare
 
     def prepare_keep(self, index, q_row, k_row, v_row, scale, flat_scores=None):
         prep = prepare(self, index, q_row, k_row, v_row, scale, flat_scores)
-        prep["k_row"] = k_row
+        k_rows.clear()
+        k_rows[id(prep)] = k_row
         return prep
 
     def select_net(self, index, prep, scale, taus, hierarchical=None):
         sel, tail, v_tail = select(self, index, prep, scale, taus, hierarchical)
         M, cs = index.num_clusters, self.cfg.cluster_size
         slots = index.slots[:, :M].reshape(self.num_kv_heads, -1)  # [Hkv, M * cs], -1 = padding
-        keys = prep["k_row"].float().gather(1, slots.clamp(min=0).unsqueeze(-1).expand(-1, -1, self.head_dim))
+        keys = k_rows[id(prep)].float().gather(1, slots.clamp(min=0).unsqueeze(-1).expand(-1, -1, self.head_dim))
         centres = index.live_summ[:, :, 0].repeat_interleave(cs, 1)  # [Hkv, M * cs, D]
-        s = probe_scores(prep["qg"], keys, probe, r, centres).masked_fill((slots < 0).unsqueeze(1), float("-inf"))
+        s = probe_scores(prep.qg, keys, probe, r, centres).masked_fill((slots < 0).unsqueeze(1), float("-inf"))
         top = s.topk(min(k, s.shape[-1]), -1).indices // cs  # [Hkv, g, k] cluster ids
         opened = sel.opened.clone().scatter_(1, top.flatten(1), True)
         return Selection(opened, sel.tail_ids, ~opened, sel.scored), tail, v_tail
@@ -406,7 +405,7 @@ def main() -> int:
                 progress(f"prefill {filled}/{L}")
             out["rows"].append(run_context(model, ck, ids, cache, L, args, dense_pol, progress))
             RESULTS.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(out, indent=1))
+            write_result(args.out, out)
     for r in out["rows"]:
         for s in r["sweep"]:
             print(f"L={r['context']:>6} {s['packing']:5s} tol {s['tolerance']:<7} agreement "

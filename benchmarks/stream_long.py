@@ -11,21 +11,21 @@ bits/token per segment and cache bytes. Writes benchmarks/results/stream_long.js
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from common import write_result
 
-from longattn.cache.factory import make_cache  # noqa: E402
-from longattn.checkpoint import load_checkpoint  # noqa: E402
-from longattn.data import all_books_text  # noqa: E402
-from longattn.models import build_model  # noqa: E402
-from longattn.policy import AttentionPolicy  # noqa: E402
-from longattn.stream import stream_score  # noqa: E402
+
+from longattn.cache.factory import make_cache
+from longattn.checkpoint import load_checkpoint
+from longattn.data import all_books_text
+from longattn.models import build_model
+from longattn.policy import AttentionPolicy
+from longattn.lab.stream import stream_score
 
 
 def main():
@@ -62,7 +62,7 @@ def main():
              late_over_early=res.late_tok_s / res.early_tok_s if res.early_tok_s else float("nan"))
     d.update(segment_summary(res.curve))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(d, indent=1))
+    write_result(args.out, d)
     plot(d, Path(args.out).with_suffix(".png"))
     print(f"{args.tokens} tokens: {res.bits_per_token:.4f} bits/token, cache {res.cache_bytes / 2**20:.2f} MiB, "
           f"peak RSS after 10K {res.peak_rss_early / 2**20:.0f} MiB -> end {res.peak_rss_bytes / 2**20:.0f} MiB "

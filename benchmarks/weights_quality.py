@@ -20,20 +20,19 @@ Writes benchmarks/results/weights_quality.json (or --out). Quality only: nothing
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from common import write_result
 
-from longattn.checkpoint import load_checkpoint  # noqa: E402
-from longattn.data import book_body, book_names  # noqa: E402
-from longattn.lab.plots import progress_bar  # noqa: E402
-from longattn.models import build_model, transformer  # noqa: E402
-from longattn.models.weights import parse_recipe  # noqa: E402
-from longattn.stream import nll_bits  # noqa: E402
+
+from longattn.checkpoint import load_checkpoint
+from longattn.data import book_body, book_names
+from longattn.lab.plots import progress_bar
+from longattn.models import build_model, transformer
+from longattn.models.weights import parse_recipe
+from longattn.lab.stream import nll_bits
 
 
 def passages(tok, n_tokens: int, count: int) -> list:
@@ -100,7 +99,7 @@ def main():
         for key, r in rows.items():
             print(f"{name:14s} {key:14s} {r['mean_bits']:.4f} bits/token  ({r['delta_vs_f32']:+.4f} vs f32)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1))
+    write_result(args.out, results)
     print(f"wrote {args.out}")
 
 

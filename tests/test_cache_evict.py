@@ -32,7 +32,7 @@ from longattn.cache import evict, make_cache, rerotate_error_bound, trim_to_wind
 from longattn.errors import LongattnError
 from longattn.models.rope import apply_rope, rerotate, rope_cos_sin
 from longattn.policy import AttentionPolicy
-from longattn.session import Session
+from longattn.engine.session import Session
 
 W, S0, E0 = 6, 5, 12  # window, evicted span [S0, E0)
 D_SPAN = E0 - S0

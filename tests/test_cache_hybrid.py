@@ -18,7 +18,7 @@ from longattn.cache import (GrowingLayerCache, KVCache, RingLayerCache, layer_re
                             plan_layers)
 from longattn.errors import LongattnError
 from longattn.policy import AttentionPolicy
-from longattn.session import Session
+from longattn.engine.session import Session
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -22,7 +22,7 @@ from longattn.errors import LongattnError
 from longattn.models.rope import rerotate, rotate_half
 from longattn.ops import allowed_mask, masked_attention, reference_attention
 from longattn.policy import AttentionPolicy
-from longattn.session import Session
+from longattn.engine.session import Session
 
 TOL = 1e-10
 H, HKV, D = 4, 2, 8

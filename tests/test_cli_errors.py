@@ -1,45 +1,14 @@
 """Bad input gets one clear line on stderr, exit code 2, no traceback, nothing in the cache."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from cli_helpers import assert_one_line_error, cache_is_clean, hf_dir as _hf_dir, run_cli
 from conftest import tiny_dir
-
-
-def run_cli(args, cache: Path, timeout=300):
-    env = dict(os.environ, LONGATTN_CACHE=str(cache), HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-m", "longattn.cli.main", *args], capture_output=True,
-                          text=True, env=env, timeout=timeout)
-
-
-def assert_one_line_error(r, needle: str):
-    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
-    assert "Traceback" not in r.stderr, r.stderr
-    lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
-    assert len(lines) == 1, r.stderr
-    assert lines[0].startswith("longattn: error:"), lines[0]
-    assert needle.lower() in lines[0].lower(), lines[0]
-
-
-def cache_is_clean(cache: Path) -> bool:
-    if not cache.exists():
-        return True
-    junk = [p for p in cache.rglob("*") if p.is_file() or p.name.startswith(".tmp-")]
-    return not junk
-
-
-def _hf_dir(tmp: Path, cfg: dict) -> Path:
-    from safetensors.torch import save_file
-    import torch
-    tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "config.json").write_text(json.dumps(cfg))
-    save_file({"x": torch.zeros(1)}, str(tmp / "model.safetensors"))
-    return tmp
 
 
 def test_missing_file(tmp_path):
@@ -79,7 +48,7 @@ def test_heads_not_divisible(tmp_path):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--window", "-3"], "non-negative"),
+    (["--window", "-3"], "--window must be >= 1"),
     (["--window", "4", "--sinks", "-1"], "non-negative"),
     (["--threads", "0"], "threads"),
     (["--temperature", "-1"], "temperature"),

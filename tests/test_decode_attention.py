@@ -1,5 +1,5 @@
 """longattn's fused decode-attention kernel (ops/csrc/decode_attention.cpp) against the float64
-reference of the same computation (static_decode.attend_buffer_and_self): shapes, grouped
+reference of the same computation (ops.attention.attend_buffer_and_self): shapes, grouped
 heads, windows with sinks, empty slots, padding streams, slots split across threads.
 
 Tolerance, derived: twice the plain float32 matmul form's error, plus what the kernel's exp
@@ -11,7 +11,7 @@ import torch
 
 from longattn.ops import native
 from longattn.ops.masks import allowed_mask
-from longattn.static_decode import attend_buffer_and_self
+from longattn.ops.attention import attend_buffer_and_self
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="needs the AVX2 kernels (x86)")
 

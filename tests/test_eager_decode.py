@@ -14,7 +14,7 @@ from longattn.ops import native
 from longattn.ops.masks import allowed_mask
 from longattn.ops.reference import reference_attention
 from longattn.policy import AttentionPolicy, LayerPolicy, WindowOp
-from longattn.session import Session
+from longattn.engine.session import Session
 from conftest import tiny_model
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="needs the AVX2 kernels (x86)")

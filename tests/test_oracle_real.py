@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import book_text, oracle_model, real_checkpoint, real_model
-from longattn.sampling import SamplingConfig
-from longattn.session import Session, generate
+from longattn.engine.sampling import SamplingConfig
+from longattn.engine.session import Session, generate
 
 pytestmark = pytest.mark.real
 

@@ -11,7 +11,7 @@ import torch
 
 from conftest import tiny_model
 from longattn.cache import KVCache
-from longattn.session import Session
+from longattn.engine.session import Session
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gpt_oss"]
 

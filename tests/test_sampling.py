@@ -5,8 +5,8 @@ import torch
 
 from conftest import tiny_model
 from longattn.errors import LongattnError
-from longattn.sampling import GREEDY_CHUNK, SamplingConfig, greedy, sample
-from longattn.session import Session, generate
+from longattn.engine.sampling import GREEDY_CHUNK, SamplingConfig, greedy, sample
+from longattn.engine.session import Session, generate
 
 
 def test_greedy_is_argmax():

@@ -108,7 +108,7 @@ def test_cli_sparse_flags_reach_the_config():
     from conftest import tiny_dir
     from longattn.checkpoint import load_checkpoint
     from longattn.cli.common import add_policy_args
-    from longattn.sparse_policy import sparse_policy
+    from longattn.sparse.policy import sparse_policy
 
     p = argparse.ArgumentParser()
     add_policy_args(p)

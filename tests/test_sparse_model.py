@@ -8,9 +8,9 @@ import torch
 from conftest import tiny_model
 from longattn.errors import LongattnError
 from longattn.policy import AttentionPolicy
-from longattn.session import Session
+from longattn.engine.session import Session
 from longattn.sparse import SCSAConfig
-from longattn.sparse_policy import build_sparse_policy, save_taus, sparse_ops
+from longattn.sparse.policy import build_sparse_policy, save_taus, sparse_ops
 
 # dense_when_cheaper off: tiny caches would send every layer to its dense read (test_sparse_cost.py)
 SMALL = dict(cluster_size=16, rebuild_interval=64, block_size=256, recent=8, sink=2, min_context=0, outliers=2,
@@ -65,7 +65,7 @@ def test_unmet_tolerance_attends_exactly(tmp_path):
     layer's own dense op; calibration steps use SCSA's exact path, another kernel, so the
     calibrating policy itself is only close). Without exact_when_unmet the same layers run
     sparse at the smallest tau and differ from dense."""
-    from longattn.sparse_policy import policy_taus, preset_taus
+    from longattn.sparse.policy import policy_taus, preset_taus
     m = tiny_model("llama")
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, 96, (700,), generator=g).tolist()
@@ -115,7 +115,7 @@ def test_sparse_layer_out_of_range():
 def test_retune_and_preset_taus():
     """retune re-picks every layer's taus from its calibration; preset_taus hands them to a new
     policy whose decode skips calibration and equals the calibrated policy's decode."""
-    from longattn.sparse_policy import policy_taus, preset_taus, retune
+    from longattn.sparse.policy import policy_taus, preset_taus, retune
     m = tiny_model("llama")
     g = torch.Generator().manual_seed(2)
     prompt = torch.randint(0, 96, (700,), generator=g).tolist()

@@ -8,7 +8,7 @@ import torch
 
 from longattn.sparse import SCSALayer
 from longattn.sparse.kernel import NEG_INF, stop_counts
-from longattn.sparse.tree import build_tree, similarity_order
+from longattn.sparse.experimental.tree import build_tree, similarity_order
 from sparse_fixtures import attn_case, one_thread, small_cfg as _small_cfg  # noqa: F401
 
 H, HKV, D, N = 6, 2, 32, 1203
@@ -170,8 +170,8 @@ def test_refined_rule_holds_with_exact_masses(case, tau):
         prep = layer._prepare(index, q[0, :, 0], k[0], v[0], scale)
         log_mass = layer._cluster_log_mass(index, prep, torch.ones_like(opened), scale)  # [Hkv, g, M]
         o = opened.unsqueeze(1).expand_as(log_mass)
-        unopened = prep["est"].masked_fill(o, NEG_INF).logsumexp(-1).double()  # [Hkv, g]
-        captured = torch.logaddexp(prep["log_exact"], log_mass.masked_fill(~o, NEG_INF).logsumexp(-1)).double()
+        unopened = prep.est.masked_fill(o, NEG_INF).logsumexp(-1).double()  # [Hkv, g]
+        captured = torch.logaddexp(prep.log_exact, log_mass.masked_fill(~o, NEG_INF).logsumexp(-1)).double()
         holds = unopened.exp() < tau * (captured.exp() + unopened.exp())
         assert bool((holds | ~(~opened).any(1, keepdim=True)).all())
         assert 0 < int(opened.sum()) < opened.numel()

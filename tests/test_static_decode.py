@@ -11,7 +11,7 @@ from longattn.errors import LongattnError
 from longattn.models import transformer
 from longattn.ops import native
 from longattn.policy import AttentionPolicy
-from longattn.static_decode import StaticDecoder
+from longattn.engine.static_step import StaticDecoder
 from test_windows import _ids
 
 
@@ -70,7 +70,7 @@ def test_static_decode_agrees_with_reference(monkeypatch, family, window, sinks,
         counters.clear()
     dec = StaticDecoder(m, pol, batch=2, max_len=32, compile=compiled, attention=attention)
     if attention == "fused":  # the C++ kernel really runs where it is built
-        assert all(op.native for op in dec._policy.ops) == native.available()
+        assert all(op.kernel == "fused" for op in dec._policy.ops) == native.available()
     out = decode_logits(dec, ids, n)
     err = (out.double() - ref).abs().max().item()
     assert err <= tol, f"{err:.2e} > {tol:.2e}"

@@ -20,10 +20,10 @@ from longattn.checkpoint import load_checkpoint
 from longattn.errors import LongattnError
 from longattn.models import build_model
 from longattn.policy import AttentionPolicy
-from longattn.session import Session
+from longattn.engine.session import Session
 from longattn.sparse import SCSAConfig
-from longattn.sparse_policy import build_sparse_policy, sparse_ops
-from longattn.static_decode import StaticDecoder
+from longattn.sparse.policy import build_sparse_policy, sparse_ops
+from longattn.engine.static_step import StaticDecoder
 from test_windows import _ids
 
 # tiny clusters and blocks so a ~100-token cache seals, rebuilds and freezes while decoding

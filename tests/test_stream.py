@@ -9,7 +9,7 @@ from conftest import tiny_model
 from longattn.cache import KVCache
 from longattn.cache.factory import make_cache
 from longattn.policy import AttentionPolicy
-from longattn.stream import nll_bits, stream_score
+from longattn.lab.stream import nll_bits, stream_score
 
 
 def _ids(n, seed=0, vocab=96):

@@ -292,7 +292,7 @@ def test_quantized_weights_cost_what_the_readme_says_on_a_book(monkeypatch):
     int4's decode arithmetic (activations rounded per block of 32) within 0.02 of its prefill."""
     from conftest import real_checkpoint
     from longattn.data import book_body
-    from longattn.stream import nll_bits
+    from longattn.lab.stream import nll_bits
     ck = real_checkpoint("smollm2-135m")
     ids = torch.tensor([ck.tokenizer.encode(book_body())[:1024]])
 

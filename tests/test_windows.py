@@ -11,7 +11,7 @@ from conftest import tiny_model
 from longattn.errors import LongattnError
 from longattn.ops.masks import allowed_mask
 from longattn.policy import AttentionPolicy
-from longattn.session import Session
+from longattn.engine.session import Session
 
 T = 29
 

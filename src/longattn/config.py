@@ -8,6 +8,7 @@ full attention); ``layer_rope_theta[i]`` is that layer's RoPE base.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -86,6 +87,13 @@ class ModelConfig:
             v = getattr(self, f)
             if not isinstance(v, int) or v <= 0:
                 bad(f"{f} must be a positive integer, got {v!r}")
+        ctx = self.max_context
+        if isinstance(ctx, bool) or not isinstance(ctx, int) or ctx <= 0:
+            bad(f"max_context (the trained context length) must be a positive integer, got {ctx!r}")
+        for f in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                bad(f"{f} must be a positive finite number, got {v!r}")
         if self.num_heads % self.num_kv_heads != 0:
             bad(f"num_heads ({self.num_heads}) is not divisible by num_kv_heads "
                 f"({self.num_kv_heads}); grouped-query attention needs whole groups")

@@ -1,8 +1,8 @@
 """What machine a measured figure came from (benchmarks record it beside every result).
 
-The project's development machines have changed kind between sessions (a 2-core AMD EPYC with
-AVX2, later a 2-vCPU Intel Xeon with AVX-512, AVX-VNNI and AMX); speed ratios against
-llama.cpp, whose build targets the CPU it was compiled on, are only comparable on one kind.
+Figures come from different kinds of CPU (AVX2 only, or AVX-512 with VNNI and AMX); speed
+ratios against llama.cpp, whose build targets the CPU it was compiled on, are only comparable
+on one kind.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 import platform
 
-# Instruction-set extensions that change which kernels are fastest (ours are AVX2 + FMA + F16C).
+# Instruction-set extensions that change which kernels are fastest (ours use AVX2 + FMA + F16C,
+# and AVX-512 forms where the CPU has them).
 FLAGS_OF_INTEREST = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
 
 

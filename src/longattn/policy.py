@@ -16,12 +16,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-import torch
-
 from .errors import LongattnError, check_int
 from .ops import native
-from .ops.dense import causal_attention, masked_attention
-from .ops.masks import allowed_mask
+from .ops.attention import BANDED_MIN_TOKENS, MaskMemo, attend
 
 
 @dataclass(frozen=True)
@@ -31,61 +28,13 @@ class LayerPolicy:
     sinks: int = 0                # first positions always readable
 
 
-def _same_positions(kept: torch.Tensor, pos: torch.Tensor) -> bool:
-    return (kept.shape == pos.shape and kept.dtype == pos.dtype and kept.device == pos.device
-            and bool(torch.equal(kept, pos)))
-
-
-class MaskMemo:
-    """The last boolean mask built per (window, sinks), reused while the positions match.
-
-    Within one forward every layer gets the same query positions, and layers whose caches
-    are alike hold the same key positions, so layers sharing a window and sinks share one
-    ``allowed_mask``. A hit needs ``q_pos`` and ``k_pos`` equal in value to private copies
-    taken when the mask was built. Value, not identity: a cache writes its position
-    tensor in place and Python reuses the ids of freed tensors, so an identity key could
-    hand back a mask built for other positions; the copies cannot change or be freed.
-    Equal positions give the same mask, so a hit is bit-identical to building it again.
-    One entry per (window, sinks): the next forward's positions replace it, which bounds
-    memory to one mask per distinct setting (``clear()`` drops them).
-    """
-
-    def __init__(self):
-        self._entries: dict = {}  # (window, sinks) -> (q_pos copy, k_pos copy, mask)
-        self.hits = 0
-        self.misses = 0
-
-    def mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int],
-             sinks: int) -> torch.Tensor:
-        """``allowed_mask(q_pos, k_pos, window, sinks)``, built once per distinct positions."""
-        entry = self._entries.get((window, sinks))
-        if entry is not None and _same_positions(entry[0], q_pos) and _same_positions(entry[1], k_pos):
-            self.hits += 1
-            return entry[2]
-        self.misses += 1
-        mask = allowed_mask(q_pos, k_pos, window, sinks)
-        self._entries[(window, sinks)] = (q_pos.clone(), k_pos.clone(), mask)
-        return mask
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-
 class WindowOp:
-    """Masked attention by absolute positions; window None = dense causal.
+    """Attention by absolute positions under one layer's window and sinks (window None = dense
+    causal); ``ops.attention.attend`` picks the kernel. ``banded_min_tokens`` None keeps every
+    prefill off the banded path; ``fused_decode=False`` keeps decode steps on the matmul form
+    (the fused kernel's reference); ``masks`` is shared by the ops of one policy."""
 
-    The prefill of a windowed layer may take the banded O(T*W) path (same mask, different
-    arithmetic order); set ``banded_min_tokens`` to None to keep every path on masked SDPA.
-    ``masks`` is shared by the ops of one policy so layers reuse each other's mask.
-    Decode steps (one query per stream, float32, no softcap) read the cache through longattn's
-    fused C++ kernel (ops/csrc/decode_attention.cpp; the same rule as ``allowed_mask``, decided
-    from positions, masked slots skipped) where it is built: the matmul form spent its time in
-    two thin matmuls, a mask and a softmax (Qwen2.5-0.5B at 32K: ~10 ms a layer).
-    ``fused_decode=False`` keeps the matmul form (its reference).
-    """
-
-    # Learned per-head sink logits (gpt-oss) are honoured: they take the masked path, since
-    # the fused decode kernel, the banded prefill and the causal kernel have no term for them.
+    # Learned per-head sink logits (gpt-oss) are honoured (ops.attention.attend).
     learned_sinks = True
 
     def __init__(self, lp: LayerPolicy, banded_min_tokens: Optional[int] = None,
@@ -96,55 +45,10 @@ class WindowOp:
         self.fused_decode = fused_decode and native.available()
 
     def __call__(self, q, q_pos, k, v, k_pos, scale, softcap=None, layer=0, cache=None, sink_logits=None):
-        lp = self.lp
-        if sink_logits is not None:
-            mask = self.masks.mask(q_pos, k_pos, lp.window, lp.sinks)
-            return masked_attention(q, k, v, mask, scale, softcap, sink_logits)
-        if self.fused_decode and q.shape[2] == 1 and softcap is None and \
-                q.dtype == k.dtype == v.dtype == torch.float32:
-            none = k[:, :, :0]  # no separate own key: the cache already holds it
-            return torch.ops.longattn_cpu.decode_attention(q, k, v, k_pos, q_pos, none, none,
-                                                           lp.window or 0, lp.sinks, float(scale))
-        if self._banded_applies(q, q_pos, k_pos, softcap):
-            from .ops.banded import banded_attention
-            return banded_attention(q, k, v, lp.window, lp.sinks, scale)
-        if self._plain_causal(q, q_pos, k_pos, softcap):
-            return causal_attention(q, k, v, scale)
-        mask = self.masks.mask(q_pos, k_pos, lp.window, lp.sinks)
-        return masked_attention(q, k, v, mask, scale, softcap)
+        return attend(q, q_pos, k, v, k_pos, self.lp.window, self.lp.sinks, scale, softcap,
+                      fused=self.fused_decode, banded_min_tokens=self.banded_min_tokens, masks=self.masks,
+                      sink_logits=sink_logits)
 
-    def _plain_causal(self, q, q_pos, k_pos, softcap) -> bool:
-        """A one-shot prefill whose mask is exactly causal (no window within reach, keys
-        0..T-1) can use the fused causal kernel, which skips the masked half of the work.
-        An unset window and any window >= T take this same path (bit-identical)."""
-        lp, Tq, Tk = self.lp, q.shape[2], k_pos.shape[1]
-        if softcap is not None or Tq != Tk or Tq <= 16 or q.shape[0] != 1:
-            return False
-        if lp.window is not None and lp.window < Tk:
-            return False
-        return _keys_from_zero(q_pos, k_pos)
-
-    def _banded_applies(self, q, q_pos, k_pos, softcap) -> bool:
-        """Banded pays off for long windowed prefills over keys laid out as 0..Tk-1."""
-        lp, Tq, Tk = self.lp, q.shape[2], k_pos.shape[1]
-        if (self.banded_min_tokens is None or lp.window is None or softcap is not None
-                or q.shape[0] != 1 or Tq < self.banded_min_tokens or lp.window >= Tk):
-            return False
-        return _keys_from_zero(q_pos, k_pos)
-
-
-def _keys_from_zero(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
-    """True when stream 0's keys are exactly positions 0..Tk-1 and its queries are the
-    last Tq of them (a one-shot prefill, or a chunk over a cache that holds every earlier
-    position in order): the layout the causal and banded kernels assume."""
-    Tq, Tk = q_pos.shape[1], k_pos.shape[1]
-    ar = torch.arange(Tk, dtype=k_pos.dtype)
-    return bool(torch.equal(k_pos[0], ar) and torch.equal(q_pos[0], ar[Tk - Tq:]))
-
-
-# Prefill chunks at least this long take the banded path on windowed layers; below it the
-# fused causal kernel wins (benchmarks/prefill_attention.py: crossover near 2K at W=1024).
-BANDED_MIN_TOKENS = 2048
 
 def _window_factory(lp: LayerPolicy, policy: "AttentionPolicy", layer: int) -> WindowOp:
     return WindowOp(lp, policy.banded_min_tokens, policy.masks, policy.fused_decode)
@@ -170,8 +74,8 @@ class AttentionPolicy:
     masks: MaskMemo = field(default_factory=MaskMemo, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        if any(lp.kind == "sparse" for lp in self.layers):
-            from . import sparse_policy  # noqa: F401  (registers the "sparse" kind)
+        # Kinds register themselves where they are defined (longattn.sparse.policy registers
+        # "sparse"; only its builders make sparse layers), so this module knows none of them.
         self.ops = []
         for lp in self.layers:
             check_int("window", lp.window, allow_none=True)

@@ -59,9 +59,7 @@ def refuse_length_dependent_rope(layers, what: str) -> None:
 def layer_inv_freqs(model_or_inv_freqs, num_layers: int) -> list:
     """Per-layer ``[head_dim // 2]`` inv_freq from a Transformer or a sequence of tensors."""
     if hasattr(model_or_inv_freqs, "model") and hasattr(model_or_inv_freqs.model, "layers"):
-        layers = model_or_inv_freqs.model.layers
-        refuse_length_dependent_rope(layers, "evict with renumbering")
-        fs = [blk.self_attn.inv_freq for blk in layers]
+        fs = [blk.self_attn.inv_freq for blk in model_or_inv_freqs.model.layers]
     elif isinstance(model_or_inv_freqs, (list, tuple)):
         fs = list(model_or_inv_freqs)
     else:
@@ -181,6 +179,8 @@ def evict(cache: KVCache, start: int, end: int,
     their place.
     """
     _validate_span(cache, start, end)
+    if hasattr(model_or_inv_freqs, "model"):
+        refuse_length_dependent_rope(model_or_inv_freqs.model.layers, "evict with renumbering")
     fs = layer_inv_freqs(model_or_inv_freqs, len(cache.layers))
     for layer, inv_f in zip(cache.layers, fs):
         _EVICTORS[type(layer)](layer, start, end, inv_f, renumber)

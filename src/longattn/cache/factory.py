@@ -6,7 +6,7 @@ import torch
 
 from ..errors import LongattnError
 from .base import LAYER_CACHES, KVCache
-from .evict import refuse_length_dependent_rope
+from .evict import layer_inv_freqs, refuse_length_dependent_rope
 from .hybrid import plan_layers
 from . import ring as _ring  # noqa: F401  (registers "ring" in LAYER_CACHES)
 
@@ -25,8 +25,9 @@ def make_cache(cfg, policy=None, batch: int = 1, kind: str = "auto", slack: int 
         kind: "auto" (hybrid) | "growing" | "bounded" (every layer must be windowed).
         slack: extra rotating slots per ring (>= 0); the mask still reads only the window.
         dtype: K/V storage dtype.
-        model: the Transformer; its per-layer ``inv_freq`` is handed to the rings (needed
-            for ``reindex``, and kept so eviction can find it).
+        model: the Transformer, or a list of per-layer ``inv_freq`` tensors; each layer's
+            RoPE frequencies are handed to the rings (needed for ``reindex``, and kept so
+            eviction can find them).
         reindex: StreamingLLM position re-indexing on ring layers (see cache/ring.py).
         exact_capacity: growing layers allocate exactly what they hold (byte reports).
     """
@@ -47,9 +48,10 @@ def make_cache(cfg, policy=None, batch: int = 1, kind: str = "auto", slack: int 
         raise LongattnError("reindex needs the model's RoPE frequencies: make_cache(..., model=model)")
     if reindex:
         refuse_length_dependent_rope(model.model.layers, "reindex")
+    freqs = layer_inv_freqs(model, cfg.num_layers) if model is not None else [None] * cfg.num_layers
     layers = []
     for i, (lp, name) in enumerate(zip(policy.layers, plan)):
-        inv_f = model.model.layers[i].self_attn.inv_freq if model is not None else None
+        inv_f = freqs[i]
         if name == "ring":
             layers.append(LAYER_CACHES["ring"](batch, cfg.num_kv_heads, cfg.head_dim, lp.window + slack,
                                                lp.sinks, dtype, inv_freq=inv_f, reindex=reindex))

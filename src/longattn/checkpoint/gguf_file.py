@@ -20,6 +20,7 @@ from ..config import ModelConfig
 from ..errors import LongattnError
 from .family_gaps import (GEMMA2_ROPE_THETA, GEMMA2_WINDOW, GEMMA3_LOCAL_ROPE_THETA, gemma2_layer_is_global,
                           gemma2_query_pre_attn_scalar, gemma3_layer_is_global)
+from .integrity import check_gguf_structure, check_values
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 
@@ -176,13 +177,18 @@ def iter_gguf_tensors(reader):
     from gguf import GGMLQuantizationType, quants
     for t in reader.tensors:
         shape = [int(x) for x in reversed(list(t.shape))]
-        if t.tensor_type == GGMLQuantizationType.F32:
-            arr = np.asarray(t.data, dtype=np.float32)
-        elif t.tensor_type in (GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
-            arr = quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        else:
-            arr = quants.dequantize(t.data, t.tensor_type)
-        yield t.name, torch.from_numpy(np.array(arr, dtype=np.float32, copy=True).reshape(shape))
+        try:
+            if t.tensor_type == GGMLQuantizationType.F32:
+                arr = np.asarray(t.data, dtype=np.float32)
+            elif t.tensor_type in (GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+                arr = quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+            else:
+                arr = quants.dequantize(t.data, t.tensor_type)
+            w = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True).reshape(shape))
+        except (NotImplementedError, ValueError, TypeError) as e:  # a type gguf cannot read, a bad size
+            raise LongattnError(f"tensor '{t.name}' ({getattr(t.tensor_type, 'name', t.tensor_type)}) "
+                                f"cannot be dequantized: {type(e).__name__}: {e}") from None
+        yield t.name, w
 
 
 def load_gguf(path: str | os.PathLike, progress=None) -> tuple[ModelConfig, dict]:
@@ -197,13 +203,18 @@ def load_gguf(path: str | os.PathLike, progress=None) -> tuple[ModelConfig, dict
         cfg = read_gguf_config(reader, path)
     except LongattnError:
         raise
+    except MemoryError:
+        raise LongattnError(f"{path.name}: the GGUF header's sizes are too large to be real (a damaged "
+                            "header); re-download or re-convert it") from None
     except Exception as e:
         raise LongattnError(f"{path.name}: incomplete GGUF metadata ({type(e).__name__}: {e})") from None
+    check_gguf_structure(reader, cfg, path)
     norms = _NORMS_GEMMA3 if cfg.family in ("gemma2", "gemma3") else _NORMS_PLAIN
     layer_names = {**_LAYER_NAMES, **(_LAYER_NAMES_PHI3 if cfg.family == "phi3" else {})}
     sd: dict = {}
     tensors = iter_gguf_tensors(reader)
     for name, w in (progress(tensors, total=len(reader.tensors)) if progress else tensors):
+        check_values(name, w, path)
         if name == "token_embd.weight":
             key = "model.embed_tokens.weight"
         elif name == "output_norm.weight":

@@ -14,6 +14,7 @@ import torch
 
 from ..config import FAMILIES, ModelConfig
 from ..errors import LongattnError
+from .integrity import check_values
 
 # config.json model_type -> longattn family
 _FAMILY = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
@@ -193,7 +194,7 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise LongattnError(f"{path} has no *.safetensors weights")
-    cfg = read_hf_config(json.loads(cfg_path.read_text()), name=path.name)
+    cfg = _config_of(cfg_path, path.name)
     sd = {}
     for f in files:
         try:
@@ -204,6 +205,30 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict]:
             if k.startswith("model.language_model."):
                 k = "model." + k[len("model.language_model."):]
             sd[k] = v.to(torch.float32)
+            check_values(k, sd[k], f)
     if cfg.family == "phi3":
         sd = split_fused(cfg, sd)
     return cfg, sd
+
+
+def _config_of(cfg_path: Path, name: str) -> ModelConfig:
+    """read_hf_config of the file ``cfg_path``, with every way the file can be wrong (not
+    JSON, not an object, a key missing, a value of the wrong type or zero) as one line."""
+    try:
+        d = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise LongattnError(f"{cfg_path} is not valid JSON ({e}); repair or re-download it") from None
+    if not isinstance(d, dict):
+        raise LongattnError(f"{cfg_path} holds a JSON {type(d).__name__}, not an object of settings")
+    try:
+        return read_hf_config(d, name=name)
+    except LongattnError:
+        raise
+    except KeyError as e:
+        raise LongattnError(f"{cfg_path} lacks the setting {e}; repair or re-download it") from None
+    except ZeroDivisionError:
+        raise LongattnError(f"{cfg_path} sets a size the others are divided by (such as "
+                            "num_attention_heads) to zero; repair or re-download it") from None
+    except (TypeError, ValueError, AttributeError, OverflowError) as e:
+        raise LongattnError(f"{cfg_path} holds an invalid value ({type(e).__name__}: {e}); "
+                            "repair or re-download it") from None

@@ -25,7 +25,7 @@ def oracle_dir(name_or_path: str) -> str:
     target = cache_root() / "oracle" / cache_key(digest)
     if not (target / "model.safetensors").exists():
         hf = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
-        with atomic_dir(target) as tmp:
+        with atomic_dir(target, complete=lambda p: (p / "model.safetensors").exists()) as tmp:
             save_file({k: v.clone().contiguous() for k, v in hf.state_dict().items()},
                       str(tmp / "model.safetensors"))
             if hasattr(hf.config, "quantization_config"):

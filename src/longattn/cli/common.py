@@ -6,8 +6,7 @@ import argparse
 import json
 import os
 import sys
-
-import torch
+from pathlib import Path
 
 from ..errors import LongattnError
 
@@ -72,8 +71,12 @@ def add_json_arg(p: argparse.ArgumentParser) -> None:
 
 
 def setup_threads(n: int) -> None:
+    cpus = os.cpu_count() or 1
     if n is None or n < 1:
         raise LongattnError(f"--threads must be >= 1, got {n}")
+    if n > 4 * cpus:  # torch crashes starting tens of thousands of threads; beyond the CPUs they only wait
+        raise LongattnError(f"--threads {n} is more than 4x this machine's {cpus} CPUs; use at most {cpus}")
+    import torch  # here, not at module level: `longattn --help` and `models` never load torch
     torch.set_num_threads(n)
 
 
@@ -82,15 +85,90 @@ def emit_json(obj: dict) -> None:
     sys.stdout.flush()
 
 
+def add_context_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-beyond-context", action="store_true",
+                   help="run positions past the model's trained context under a policy with full-"
+                        "attention layers (otherwise refused: the model never saw such positions)")
+
+
+def check_policy_args(args) -> None:
+    """Refuse options the chosen policy would ignore, and impossible windows, before any
+    slow work (a refusal names the option the user passed, never one implied)."""
+    window = getattr(args, "window", None)
+    if window is not None and window < 1:
+        raise LongattnError(f"--window must be >= 1 (keys per query, itself included), got {window}; "
+                            "for full attention use --policy dense")
+    if window is not None and args.policy == "dense":
+        raise LongattnError("--window has no effect under --policy dense; drop one of them")
+    sparse = sorted(k for k in vars(args) if k.startswith("sparse_"))
+    if sparse and args.policy != "sparse":
+        flags = ", ".join("--" + k.replace("_", "-").replace("-probe-dims", "-probe")
+                          .replace("-dense-when-cheaper", "-always") for k in sparse)
+        verb = "only applies" if len(sparse) == 1 else "only apply"
+        raise LongattnError(f"{flags} {verb} with --policy sparse; drop them or add --policy sparse")
+
+
 def policy_from_args(cfg, args):
+    """The AttentionPolicy the options ask for on the model of ``cfg`` (see check_policy_args)."""
     from ..policy import AttentionPolicy
+    check_policy_args(args)
+    if getattr(args, "sinks", 0) > cfg.max_context:
+        raise LongattnError(f"--sinks {args.sinks} is more than {cfg.name or 'the model'}'s trained "
+                            f"context ({cfg.max_context}); a few (e.g. 4) are enough")
+    if args.window is not None and args.window > cfg.max_context:
+        raise LongattnError(f"--window {args.window} is longer than {cfg.name or 'the model'}'s trained "
+                            f"context ({cfg.max_context}), where it means full attention; use "
+                            f"--window <= {cfg.max_context} or --policy dense")
     mode = args.policy
     if args.window is not None and mode == "checkpoint":
         mode = "window"  # --window alone imposes it on every layer
     if mode == "sparse":
-        from ..sparse_policy import sparse_policy  # noqa: WPS433 (wired in the SCSA module)
+        from ..sparse.policy import sparse_policy  # noqa: WPS433 (wired in the SCSA module)
         return sparse_policy(cfg, args)
     return AttentionPolicy.build(cfg, mode=mode, window=args.window, sinks=args.sinks)
+
+
+def check_context(cfg, policy, positions: int, args, what: str) -> None:
+    """Refuse ``positions`` (``what`` says how they add up) past ``cfg.max_context`` when a
+    layer of ``policy`` attends without a window, unless --allow-beyond-context; a windowed
+    layer only ever reads its last W positions, so such runs are what windows are for."""
+    if positions <= cfg.max_context or getattr(args, "allow_beyond_context", False):
+        return
+    full = sum(lp.window is None for lp in policy.layers)
+    if not full:
+        return
+    stream = "; with `longattn stream` add --reindex to keep positions within the cache" \
+        if hasattr(args, "reindex") else ""
+    raise LongattnError(f"{what} is {positions} positions, past {cfg.name or 'the model'}'s trained context "
+                        f"of {cfg.max_context}, and {full} of its {len(policy.layers)} layers attend "
+                        f"without a window; run it with a window on every layer (--policy window "
+                        f"--window W --sinks 4){stream}, or pass --allow-beyond-context")
+
+
+def check_token_ids(cfg, ids) -> None:
+    """Refuse token ids the model has no embedding for (a tokenizer from another model)."""
+    top = max((int(i) for i in ids), default=-1)
+    if top >= cfg.vocab_size:
+        raise LongattnError(f"the tokenizer gives token id {top} but {cfg.name or 'the model'} has "
+                            f"{cfg.vocab_size} embeddings; the tokenizer belongs to another model")
+
+
+def read_text_file(path: str, what: str) -> str:
+    """The UTF-8 text of the file at ``path``; a binary or otherwise undecodable file is
+    refused (one line naming ``what`` and the first bad byte) rather than read in part."""
+    data = Path(path).read_bytes()
+    if b"\0" in data:
+        raise LongattnError(f"{what} {path} is a binary file (NUL byte at offset {data.index(0)}), not text")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LongattnError(f"{what} {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+                            f"{e.start}); convert it, e.g. iconv -t utf-8") from None
+
+
+def check_chunk(chunk: int) -> None:
+    if chunk < 1:
+        raise LongattnError(f"--chunk must be >= 1 (tokens per forward), got {chunk}")
 
 
 def load_model(args, progress: bool = True):
@@ -103,22 +181,45 @@ def load_model(args, progress: bool = True):
     return ck, build_model(ck.config, ck.state_dict, weights=weights, keep_int8=keep)
 
 
+def _close_progress_bars() -> None:
+    """End any progress bar still drawn and its line, so a message that follows starts a
+    line of its own on a terminal and in a log file alike."""
+    tqdm = sys.modules.get("tqdm")
+    bars = list(getattr(getattr(tqdm, "tqdm", None), "_instances", ()) or ())
+    for bar in bars:
+        try:
+            bar.close()
+        except Exception:  # a half-built bar: nothing more to tidy
+            pass
+    if bars:
+        sys.stderr.write("\n")
+
+
+def fail(message: str, code: int = 2) -> int:
+    """Print ``longattn: <message>`` as one line on stderr (after any progress bar); return ``code``."""
+    _close_progress_bars()
+    sys.stdout.flush()
+    print(f"longattn: {message}", file=sys.stderr, flush=True)
+    return code
+
+
 def run_guarded(fn, args) -> int:
     """Run a command; a LongattnError (or bad file) becomes one line on stderr and exit 2."""
     try:
         return fn(args) or 0
     except LongattnError as e:
-        print(f"longattn: error: {e}", file=sys.stderr)
-        return 2
+        return fail(f"error: {e}")
     except KeyboardInterrupt:
-        print("longattn: interrupted", file=sys.stderr)
-        return 130
-    except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
-        print(f"longattn: error: {e.strerror or e}: {e.filename}", file=sys.stderr)
-        return 2
+        return fail("interrupted", 130)
+    except OSError as e:  # unreadable input, a full disk, a directory where a file was meant
+        where = f": {e.filename}" if e.filename else ""
+        return fail(f"error: {e.strerror or e}{where}")
     except MemoryError:
-        print("longattn: error: out of memory; use a smaller context, window or batch", file=sys.stderr)
-        return 2
+        return fail("error: out of memory; use a smaller context, window or batch")
+    except RuntimeError as e:  # torch reports a failed allocation as a RuntimeError
+        if "allocate" not in str(e) or "memory" not in str(e):
+            raise
+        return fail("error: out of memory; use a smaller context, window or batch")
 
 # ---------------------------------------------------------------- lab commands
 # The experiment commands (quality, receptive, cache, scaling, sinks, retrieval) share

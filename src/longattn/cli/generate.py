@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from ..errors import LongattnError
-from .common import (add_json_arg, add_model_args, add_policy_args, emit_json, load_model,
-                     policy_from_args, setup_threads)
+from .common import (add_context_arg, add_json_arg, add_model_args, add_policy_args, check_chunk,
+                     check_context, check_policy_args, check_token_ids, emit_json, load_model,
+                     policy_from_args, read_text_file, setup_threads)
 
 DEFAULT_PROMPT = "The three most useful facts about the Moon are"
 
@@ -30,6 +30,7 @@ def add_parser(sub) -> None:
     p.add_argument("--compile", action="store_true",
                    help="decode with the fixed-shape step compiled by torch.compile (first step compiles)")
     add_policy_args(p)
+    add_context_arg(p)
     add_json_arg(p)
     p.set_defaults(func=run)
 
@@ -38,19 +39,16 @@ def encode_prompt(tok, text: str, chat: bool) -> list:
     if chat:
         if not getattr(tok, "chat_template", None):
             raise LongattnError("this checkpoint has no chat template; drop --chat")
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                      tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+        from ..chat import chat_ids
+        return chat_ids(tok, [{"role": "user", "content": text}])
     return list(tok(text)["input_ids"])
 
 
 class TextStreamer:
     """Prints decoded text as tokens arrive, holding back incomplete UTF-8 / merges."""
 
-    def __init__(self, tok, out=sys.stdout):
-        self.tok, self.out, self.ids, self.printed = tok, out, [], 0
+    def __init__(self, tok, out=None):
+        self.tok, self.out, self.ids, self.printed = tok, out or sys.stdout, [], 0
 
     def __call__(self, stream: int, token: int) -> None:
         self.ids.append(token)
@@ -68,23 +66,32 @@ class TextStreamer:
 
 
 def run(args) -> int:
-    from ..sampling import SamplingConfig
-    from ..session import Session, generate
+    from ..engine.sampling import SamplingConfig
+    from ..engine.session import Session, generate
     setup_threads(args.threads)
     if args.max_new_tokens < 0:
         raise LongattnError("--max-new-tokens must be >= 0")
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
+    check_chunk(args.chunk)
+    check_policy_args(args)
     if args.prompt_file:
-        text = Path(args.prompt_file).read_text()
+        text = read_text_file(args.prompt_file, "prompt file")
     else:
         text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     ck, model = load_model(args)
     policy = policy_from_args(ck.config, args)
+    if ck.tokenizer is None:
+        raise LongattnError(f"{ck.name} has no tokenizer; generate needs one to read the prompt")
     ids = encode_prompt(ck.tokenizer, text, args.chat)
+    if not ids:
+        raise LongattnError("the prompt is empty; give some text")
+    check_token_ids(ck.config, ids)
+    check_context(ck.config, policy, len(ids) + args.max_new_tokens, args,
+                  f"the prompt ({len(ids)} tokens) plus --max-new-tokens {args.max_new_tokens}")
     if args.compile:
-        from ..static_decode import StaticDecoder
+        from ..engine.static_step import StaticDecoder
         session = StaticDecoder(model, policy, max_len=len(ids) + max(args.max_new_tokens, 1), compile=True)
-        print(f"-- compiling the decode step ...", file=sys.stderr, flush=True)
+        print("-- compiling the decode step ...", file=sys.stderr, flush=True)
         print(f"-- compiled in {session.warmup():.1f} s", file=sys.stderr)
     else:
         session = Session(model, policy)

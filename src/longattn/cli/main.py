@@ -6,14 +6,27 @@ import argparse
 import importlib
 import os
 import sys
+import warnings
 
 # command name -> module under longattn.cli that defines add_parser(subparsers)
 COMMANDS = ["generate", "models", "demo", "stream", "quality", "receptive", "cache_cmd", "scaling",
-            "sinks", "retrieval"]
+            "sinks", "retrieval", "serve"]
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with the CLI's error contract: a bad option is one line, exit 2."""
+
+    def error(self, message):
+        sys.stderr.write(f"longattn: error: {message} (see `{self.prog} --help`)\n")
+        sys.exit(2)
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"longattn: warning: {message}\n"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="longattn", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Run pretrained decoder LLMs over long contexts with bounded attention.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -31,13 +44,22 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
-    from .common import run_guarded
-    return run_guarded(args.func, args)
+    shown = warnings.formatwarning
+    warnings.formatwarning = _one_line_warning  # the CLI's warnings are one line each, too
+    try:
+        try:  # Ctrl-C while torch and the commands import is one line as well
+            parser = build_parser()
+            args = parser.parse_args(argv)
+            if not getattr(args, "func", None):
+                parser.print_help()
+                return 2
+            from .common import run_guarded
+        except KeyboardInterrupt:
+            print("longattn: interrupted", file=sys.stderr)
+            return 130
+        return run_guarded(args.func, args)
+    finally:
+        warnings.formatwarning = shown
 
 
 if __name__ == "__main__":

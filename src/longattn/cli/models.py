@@ -19,16 +19,16 @@ def add_parser(sub) -> None:
 
 
 def _clear_cache() -> dict:
-    from ..checkpoint.paths import cache_root, clear_cache
-    root = str(cache_root())
+    from ..checkpoint.paths import clear_cache, configured_cache
+    root = str(configured_cache())
     freed = clear_cache()
     print(f"cleared {root}: {freed / 2**30:.2f} GiB freed")
     return {"cache_dir": root, "freed_bytes": freed}
 
 
 def _cache_report() -> dict:
-    from ..checkpoint.paths import cache_root, cache_usage
-    root = str(cache_root())
+    from ..checkpoint.paths import cache_usage, configured_cache
+    root = str(configured_cache())
     usage = cache_usage()
     print(f"cache {root}: {sum(usage.values()) / 2**30:.2f} GiB")
     for name, n in usage.items():

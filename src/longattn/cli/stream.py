@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
-
-import torch
 
 from ..errors import LongattnError
-from .common import (add_json_arg, add_model_args, add_policy_args, emit_json, load_model,
-                     policy_from_args, setup_threads)
+from .common import (add_context_arg, add_json_arg, add_model_args, add_policy_args, check_chunk,
+                     check_context, check_policy_args, check_token_ids, emit_json, load_model,
+                     policy_from_args, read_text_file, setup_threads)
 
 
 def add_parser(sub) -> None:
@@ -27,26 +25,27 @@ def add_parser(sub) -> None:
     p.add_argument("--cache", choices=["auto", "bounded", "growing"], default="auto",
                    help="auto: ring caches on windowed layers, growing elsewhere")
     add_policy_args(p)
+    add_context_arg(p)
     add_json_arg(p)
     p.set_defaults(func=run)
 
 
-def tokenize_text(tok, text: str, max_tokens=None, repeat: int = 1) -> torch.Tensor:
+def tokenize_text(tok, text: str, max_tokens=None, repeat: int = 1):
     if repeat < 1:
         raise LongattnError("--repeat must be >= 1")
     base = tok(text)["input_ids"]
     if max_tokens is not None and max_tokens < 2:
         raise LongattnError("--max-tokens must be >= 2")
-    ids = base * repeat
-    if max_tokens is not None:
-        ids = ids[:max_tokens]
-    return torch.tensor(ids, dtype=torch.int64)
+    n = len(base) * repeat if max_tokens is None else min(len(base) * repeat, max_tokens)
+    reps = -(-n // len(base)) if base else 0  # only the repeats needed: --repeat may be huge
+    import torch
+    return torch.tensor((base * reps)[:n], dtype=torch.int64)
 
 
 def stream_run(model, tok, ids, policy, args, quiet=False, desc="stream"):
     from tqdm import tqdm
     from ..cache.factory import make_cache
-    from ..stream import stream_score
+    from ..lab.stream import stream_score
     cache = make_cache(model.config, policy, batch=1, kind=args.cache, model=model,
                        reindex=getattr(args, "reindex", False))
     bar = tqdm(total=int(ids.numel()), unit="tok", desc=desc, disable=quiet, file=sys.stderr,
@@ -64,10 +63,22 @@ def stream_run(model, tok, ids, policy, args, quiet=False, desc="stream"):
 def run(args) -> int:
     from ..data import all_books_text
     setup_threads(args.threads)
-    text = Path(args.file).read_text(errors="ignore") if args.file else all_books_text()
+    check_chunk(args.chunk)
+    check_policy_args(args)
+    if args.repeat < 1:
+        raise LongattnError("--repeat must be >= 1")
+    if args.max_tokens is not None and args.max_tokens < 2:
+        raise LongattnError("--max-tokens must be >= 2")
+    text = read_text_file(args.file, "--file") if args.file else all_books_text()
     ck, model = load_model(args)
     policy = policy_from_args(ck.config, args)
+    if ck.tokenizer is None:
+        raise LongattnError(f"{ck.name} has no tokenizer; stream needs one to read text")
     ids = tokenize_text(ck.tokenizer, text, args.max_tokens, args.repeat)
+    if ids.numel() < 2:
+        raise LongattnError("the text holds fewer than 2 tokens; nothing to score")
+    check_token_ids(ck.config, ids.tolist())
+    check_context(ck.config, policy, int(ids.numel()), args, f"the text ({ids.numel()} tokens)")
     res = stream_run(model, ck.tokenizer, ids, policy, args)
     out = res.to_dict()
     out.update(model=ck.name, window=args.window, sinks=args.sinks, policy=args.policy,

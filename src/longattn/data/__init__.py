@@ -1,7 +1,7 @@
 """Public-domain books shipped with longattn (provenance in books/PROVENANCE.json).
 
-Copied byte for byte from the project's shared data folder, which took them from public
-Git repositories (repository, path, commit and SHA-256 per file in PROVENANCE.json).
+Taken byte for byte from public Git repositories (repository, path, commit and SHA-256 per
+file in PROVENANCE.json).
 """
 
 from __future__ import annotations

@@ -1,28 +1,28 @@
-"""Experiments and the arithmetic they are checked against (see arithmetic.py)."""
+"""Experiments and the arithmetic they are checked against (see arithmetic.py).
 
-from .arithmetic import (  # noqa: F401
-    PUBLISHED_CONFIGS,
-    PublishedConfig,
-    attention_pairs,
-    bounded_cache_tokens,
-    hybrid_cache_bytes,
-    reach,
-    window_mask,
-)
+Each experiment returns a JSON-able dict; the `longattn` commands of the same names print, save
+and plot them. Names are loaded on first use, so a command that only needs ``lab.plots`` or
+``lab.tasks`` (for its options) does not import torch.
+"""
 
-__all__ = ["window_mask", "attention_pairs", "reach", "bounded_cache_tokens",
-           "hybrid_cache_bytes", "PUBLISHED_CONFIGS", "PublishedConfig"]
+from __future__ import annotations
 
-# Experiments: each returns a JSON-able dict; the `longattn` commands of the same names
-# print, save and plot them.
-from .cachebytes import cache_sweep, measure_cache  # noqa: E402,F401
-from .quality import quality_sweep  # noqa: E402,F401
-from .receptive import receptive_field  # noqa: E402,F401
-from .retrieval import retrieval_sweep  # noqa: E402,F401
-from .scaling import decode_step_times, prefill_attention_times, scaling_run  # noqa: E402,F401
-from .sinkmass import sink_mass  # noqa: E402,F401
-from .tasks import TASKS, make_sample  # noqa: E402,F401
+import importlib
 
-__all__ += ["cache_sweep", "measure_cache", "quality_sweep", "receptive_field", "retrieval_sweep",
-            "decode_step_times", "prefill_attention_times", "scaling_run", "sink_mass", "TASKS",
-            "make_sample"]
+# public name -> submodule that defines it
+_EXPORTS = {
+    "window_mask": "arithmetic", "attention_pairs": "arithmetic", "reach": "arithmetic",
+    "bounded_cache_tokens": "arithmetic", "hybrid_cache_bytes": "arithmetic",
+    "PUBLISHED_CONFIGS": "arithmetic", "PublishedConfig": "arithmetic",
+    "cache_sweep": "cachebytes", "measure_cache": "cachebytes", "quality_sweep": "quality",
+    "receptive_field": "receptive", "retrieval_sweep": "retrieval", "decode_step_times": "scaling",
+    "prefill_attention_times": "scaling", "scaling_run": "scaling", "sink_mass": "sinkmass",
+    "TASKS": "tasks", "make_sample": "tasks",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'longattn.lab' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)

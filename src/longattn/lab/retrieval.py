@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
-import torch
 
 from ..errors import LongattnError
 from ..policy import AttentionPolicy
@@ -50,22 +49,11 @@ def greedy_continuation(model, policy, ids: Sequence[int], max_new_tokens: int,
     Stops at a stop token (not emitted), after ``max_new_tokens``, or -- when ``sample`` is
     given -- as soon as ``tasks.settled(sample, decode(tokens))`` says the score is final.
     """
-    from ..session import Session
-    session = Session(model, policy)
-    logits = session.prefill([list(ids)], chunk=chunk)[:, 0]  # [1, V]
-    out: list = []
-    stop = set(stop_ids or ())
-    for i in range(max_new_tokens):
-        tok = int(logits[0].argmax())
-        if tok in stop:
-            break
-        out.append(tok)
-        if sample is not None and T.settled(sample, decode(out)):
-            break
-        if i == max_new_tokens - 1:
-            break
-        logits = session.step(torch.tensor([tok]))
-    return out
+    from ..engine.session import Session, generate
+    settled = None if sample is None else (lambda _stream, toks: T.settled(sample, decode(toks)))
+    res = generate(Session(model, policy), [list(ids)], max_new_tokens, stop_ids=set(stop_ids or ()),
+                   chunk=chunk, stop=settled)
+    return res.tokens[0]
 
 
 def retrieval_sweep(model, encode: Callable[[str], list], decode: Callable[[list], str],

@@ -19,8 +19,8 @@ u in 0..15; 20 bytes per 32 weights). Decode-sized matmuls run longattn's kernel
 and takes exact integer dots; ``int4_matmul`` evaluates the same arithmetic in PyTorch where the
 kernel cannot run. Prefill-sized matmuls dequantize the weight
 to float32 and keep float32 activations. A matrix whose rows are not a multiple of 32 stays int8.
-(PyTorch's own ``_weight_int4pack_mm_for_cpu`` was slower than bf16 here on two of three shapes,
-and a float-activation 4-bit kernel ran 1.9x slower than the int8 one: bound by conversions.)
+(Not PyTorch's own ``_weight_int4pack_mm_for_cpu``, which does not beat bf16 on CPU, nor a
+float-activation 4-bit kernel, which is bound by its conversions.)
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from ..ops.int8_kernel import int8_gemv
 
 WEIGHT_FORMATS = ("f32", "bf16", "int8", "int4")
 INT4_GROUP = 32  # weights per int4 group (and activations per int8 block in its kernel)
-# names accepted on the command line and in the API (the old --dtype spellings included)
+# names accepted on the command line and in the API (the --dtype spellings included)
 _ALIASES = {"f32": "f32", "float32": "f32", "fp32": "f32", "bf16": "bf16", "bfloat16": "bf16",
             "int8": "int8", "q8": "int8", "int4": "int4", "q4": "int4"}
 
@@ -71,8 +71,8 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, scales_b
 
     kernel "avx2" (float32 x only): longattn's kernel, float32 arithmetic on unrounded
     activations (ops/int8_kernel.py). kernel "aten": ``aten._weight_int8pack_mm``, fast only
-    with bf16 activations (float32 ones ran 5-9x slower), so x and the scales are rounded to
-    bf16 exactly as the bf16 weight path does.
+    with bf16 activations, so x and the scales are rounded to bf16 exactly as the bf16 weight
+    path does.
     """
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
@@ -129,7 +129,7 @@ def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 def dequantize_int4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """``codes [N, K/2]``, ``d, m [N, K/32]`` -> ``[N, K]`` in ``dtype``: ``d * u + m`` rounded once
     (float64 holds it exactly). float32 runs the native kernel where it is built (one fma per
-    value, the same bits; several PyTorch ops made int4 prefill ~20% slower than int8's)."""
+    value, the same bits, in one pass instead of several PyTorch ops)."""
     if dtype == torch.float32 and native.available():
         return torch.ops.longattn_cpu.int4_dequantize(codes, d, m)
     N = codes.shape[0]

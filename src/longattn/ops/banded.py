@@ -14,19 +14,17 @@ window needs only about T*W. This module gets close to that with PyTorch's fused
 So a block scores at most ``m * (m + W - 1 + S)`` pairs and the whole call
 ``Tq * (block_size + W - 1 + S)``: O(T*W) instead of O(T^2).
 
-Why a Python loop over blocks and not one batched call: measured on this CPU (AVX2, 1-2
-threads, H=8, D=128, T=8192) the loop over views ran ~3x faster at W=1024 than gathering every
-band with ``unfold`` into one batched SDPA call (the gather copies (block+W-1)/block times the
-cache and the batched call loses the fused kernel's tiling); batching did not win at W=16..256
-either, and an explicit matmul/mask/softmax was 2-3x slower at every W. Per-call overhead is
-small next to each block's work once blocks hold >= 32 queries. Splitting each band into a causal square plus a flipped causal triangle merged by
-log-sum-exp does the ideal T*W work but the fused CPU kernel only skips 512-key tiles, so it
-measured no faster than the masked band and needs a private op; it is not used.
+Why a Python loop over views and not one batched call: gathering every band with ``unfold``
+copies (block+W-1)/block times the cache, and the batched call loses the fused kernel's tiling;
+an explicit matmul/mask/softmax gives up the fused kernel altogether. Per-call overhead is small
+next to each block's work once blocks hold >= 32 queries. Splitting each band into a causal
+square plus a flipped causal triangle merged by log-sum-exp would do the ideal T*W work, but the
+fused CPU kernel only skips 512-key tiles, so it saves nothing over the masked band and would
+need a private op; it is not used.
 
-Block size (``default_block_size``): measured at T=8192, 1 thread, blocks of 32..512 rows:
-W=64 -> 32 best; W=256 -> 32-64; W=1024 -> 128-256 (tie), 512 is 20% slower; W=4096 -> 256.
-Larger blocks waste ``block-1`` masked keys per query; smaller ones run the kernel's smaller,
-less efficient tiles. ``clamp(W // 4, 32, 256)`` rounded down to a power of two follows that.
+Block size (``default_block_size``): larger blocks waste ``block-1`` masked keys per query;
+smaller ones run the kernel's smaller, less efficient tiles. ``clamp(W // 4, 32, 256)`` rounded
+down to a power of two balances the two: small blocks for narrow windows, 256 for wide ones.
 """
 
 from __future__ import annotations

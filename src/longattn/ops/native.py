@@ -1,11 +1,12 @@
 """longattn's own CPU kernels (``csrc/*.cpp``): built once with the machine's compiler, loaded,
 or reported missing so callers fall back to PyTorch ops.
 
-All sources build into one extension (torch.utils.cpp_extension + ninja, about 20 s the first
-time) under ``$LONGATTN_CACHE/kernels/native-torch<version>-<hash of csrc/>``, reused
-after; editing a source or header makes a new build directory, so a stale build never loads.
+All sources build into one extension (torch.utils.cpp_extension + ninja, about half a minute
+the first time; see build.py for how a killed or stuck build is survived) under
+``$LONGATTN_CACHE/kernels/native-torch<version>-<hash of csrc/>``, loaded directly after;
+editing a source or header makes a new build directory, so a stale build never loads.
 Where it cannot be used (no AVX2, no compiler, or ``LONGATTN_NATIVE=off``) ``available()`` is
-False and every caller has a PyTorch path (see int8_kernel.py, static_decode.py).
+False and every caller has a PyTorch path (see int8_kernel.py, engine/static_step.py).
 
 Ops (namespace ``longattn_cpu``): ``int8_gemv`` (csrc/int8_gemv.cpp), ``int4_gemv``
 (csrc/int4_gemv.cpp),
@@ -25,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from .build import BuildError, ExtensionSpec, ensure_built
+
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = sorted(CSRC.glob("*.cpp"))
 HEADERS = sorted(CSRC.glob("*.h"))  # included by the sources: part of the build key
@@ -39,22 +42,24 @@ def _disabled() -> bool:
         os.environ.get("LONGATTN_INT8_KERNEL", "").lower() == "aten"
 
 
+def kernel_spec() -> ExtensionSpec:
+    """The one extension all of csrc/ builds into."""
+    return ExtensionSpec("longattn_native", tuple(str(p) for p in SOURCES),
+                         cflags=("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"), ldflags=("-fopenmp",),
+                         announce="building native kernels (first run, ~30 s)")
+
+
 def _build() -> bool:
     if _disabled() or torch.backends.cpu.get_cpu_capability() not in AVX2_CAPABILITIES:
         return False
-    from torch.utils.cpp_extension import load
-
     from ..checkpoint.paths import cache_root
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:12]
     build = cache_root() / "kernels" / f"native-torch{torch.__version__}-{digest}"
-    build.mkdir(parents=True, exist_ok=True)
     try:
-        load(name="longattn_native", sources=[str(p) for p in SOURCES], build_directory=str(build),
-             extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"], extra_ldflags=["-fopenmp"],
-             is_python_module=False, verbose=False)
-    except Exception as e:  # no compiler, no ninja: the PyTorch paths still work
-        warnings.warn(f"longattn: the native CPU kernels did not build ({str(e).splitlines()[0]}); "
-                      "using PyTorch ops")
+        torch.ops.load_library(str(ensure_built(kernel_spec(), build)))
+    except (BuildError, OSError) as e:  # no compiler, no ninja, out of time: PyTorch paths still work
+        warnings.warn(f"the native CPU kernels are not available ({str(e).splitlines()[0]}); "
+                      "using PyTorch ops", stacklevel=2)
         return False
 
     # shapes for torch.compile's tracing (the kernels run only on real tensors)

@@ -15,13 +15,16 @@ Then each head freezes the largest tau whose median error over the samples meets
 ``ceil(quantile * N)``-th smallest of N samples (0.5 is the median), for heads that must meet the
 tolerance on most steps rather than half of them. The
 samples are kept, so ``choose(tolerance=...)`` re-picks for another tolerance without rerunning.
-``unmet`` names the heads for which no tau meets it: such a head cannot be served by the sparse
-read at all (SCSAConfig.exact_when_unmet). On Qwen2.5-0.5B's first layer the q8_0 packing alone
-(tau = 0, every cluster opened) left 15-41% output error against a 2.5% tolerance until the
-packed keys were stored relative to their cluster's centroid and queries quantized to 12 bits
-(packing.py): 0.4-1.0% since. ``record`` may also keep what each tau would read, so that
+``unmet`` names the heads for which no tau meets it, not even tau = 0 where only the packing's
+rounding is left: such a head cannot be served by the sparse read at all
+(SCSAConfig.exact_when_unmet). ``record`` may also keep what each tau would read, so that
 ``cost_ratio`` can price the chosen taus against the dense read (cost.py,
 SCSAConfig.dense_when_cheaper).
+
+The layer's part (``calibration_call``, ``replay``, ``choose_taus``) lives here too: it drives
+the operator's own selection and output (``SCSALayer._sparse``, ``_output``, ``_probe``,
+``_cluster_log_mass``) over one ``Prepared`` per row, so a replayed tau reads exactly what a
+live call at that tau would.
 """
 
 from __future__ import annotations
@@ -30,7 +33,12 @@ import math
 
 import torch
 
+from .config import SCSAConfig
 from .cost import dense_cost, sparse_cost
+from .index import ClusterIndex
+from .experimental.refine import refine_opened
+from .kernel import Selection, needed
+from .prepared import Prepared
 
 
 def relative_error(o: torch.Tensor, o_exact: torch.Tensor) -> torch.Tensor:
@@ -116,3 +124,92 @@ class Calibrator:
         ratios = [sparse_cost(self.hkv, clusters, float(opened[best, heads].sum()), exact, probed)
                   / dense_cost(self.hkv, n) for n, clusters, exact, opened, probed in self.reads]
         return float(torch.tensor(ratios).median())
+
+
+def calibration_call(layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One call of ``layer`` (an ``SCSALayer`` whose rows have indexes) while it calibrates: the
+    exact output ``[B, H, 1, D]``; every row's replayed errors (and reads) go to its
+    ``calibrator``, and the layer freezes its taus once the calibrator is done."""
+    out = layer._dense(q, k, v, scale)
+    B = q.shape[0]
+    hkv = layer.num_kv_heads
+    layer.counters["exact_rows"] += B * hkv * k.shape[2]
+    tables, reads = [], []
+    n = k.shape[2]
+    for b, index in enumerate(layer.indexes):
+        if index.num_clusters == 0:
+            continue
+        o_exact = out[b, :, 0].float().view(hkv, layer.group, layer.head_dim)
+        prep = layer._prepare(index, q[b, :, 0], k[b], v[b], scale)
+        errors, opened = replay(layer, index, prep, o_exact, scale)
+        tables.append(errors)
+        reads.append((n, index.num_clusters, hkv * index.exact_count(n), opened,
+                      probed_rows(layer.cfg, hkv, index)))
+    layer.calibrator.record(tables, reads)
+    if layer.calibrator.done:
+        layer.set_taus(layer.choose_taus())
+    return out
+
+
+def replay(layer, index: ClusterIndex, prep: Prepared, o_exact: torch.Tensor, scale: float):
+    """The stop rule and the sparse output of ``layer`` (an ``SCSALayer``) at every tau of its
+    calibration grid for one row.
+
+    Args:
+        index: the row's cluster index; prep: the row's ``Prepared`` quantities;
+        o_exact: float32 ``[Hkv, g, D]``, the call's exact output.
+    Returns:
+        ``(errors float64 [T, Hkv], opened rows int64 [T, Hkv])``: the sparse output's error
+        (``cfg.calib_metric``) and the member rows each tau opens.
+    """
+    cfg, hkv = layer.cfg, layer.num_kv_heads
+    grid = layer.calibrator.grid.float()
+    counts = index.counts[:index.num_clusters]
+    errs, rows = [], []
+    if cfg.hierarchical:
+        for tau in grid:
+            o_tau, sel = layer._sparse(index, prep, scale, tau.expand(hkv))
+            errs.append(group_error(o_tau, o_exact, cfg.calib_metric))  # [Hkv]
+            rows.append((sel.opened.long() * counts).sum(-1))
+        return torch.stack(errs), torch.stack(rows)
+    # one sort for the whole grid; equal selections share one output
+    taus = grid.unsqueeze(1).expand(-1, hkv)
+    opened = needed(prep.est, prep.log_exact, taus)
+    if cfg.probe_dims:  # the same clusters at every tau
+        opened = opened | layer._probe(index, prep)
+    if cfg.refine:  # calibration reads everything anyway: every cluster's mass once
+        log_mass = layer._cluster_log_mass(index, prep, torch.ones_like(opened[0]), scale)
+        for _ in range(cfg.refine):
+            opened = refine_opened(opened, prep.est, prep.log_exact, log_mass, taus)
+    last, err = None, None
+    for mask in opened:  # [Hkv, M] per tau
+        if last is None or not torch.equal(mask, last):
+            sel = Selection(mask, None, ~mask, 0)
+            o_tau = layer._output(index, prep, sel, prep.tail, index.live_vmean, scale)
+            err = group_error(o_tau, o_exact, cfg.calib_metric)  # [Hkv]
+            last = mask
+        errs.append(err)
+    return torch.stack(errs), (opened.long() * counts).sum(-1)
+
+
+def probed_rows(cfg: SCSAConfig, num_kv_heads: int, index: ClusterIndex) -> int:
+    """Rows the probe scores per call, summed over the KV heads: every packed member row when
+    ``probe_dims`` is on, else 0 (what the cost rule prices, cost.PER_PROBED)."""
+    return num_kv_heads * index.packed_rows if cfg.probe_dims else 0
+
+
+def choose_taus(calibrator: Calibrator, cfg: SCSAConfig, num_kv_heads: int,
+                tolerance: float | None = None) -> tuple[list, float | None]:
+    """The calibrated choice per KV head at ``tolerance`` (default the configured one), and the
+    predicted sparse / dense cost ratio at the chosen taus (None without recorded reads).
+
+    A choice is a tau, or ``None`` where none meets the tolerance and ``exact_when_unmet`` is
+    on; with ``dense_when_cheaper``, ``None`` for every head when the ratio exceeds 1.
+    """
+    taus = calibrator.choose(cfg.tau_default, tolerance).tolist()
+    ratio = calibrator.cost_ratio(tolerance)
+    if cfg.dense_when_cheaper and ratio is not None and ratio > 1.0:
+        return [None] * num_kv_heads, ratio
+    if not cfg.exact_when_unmet:
+        return taus, ratio
+    return [None if u else t for t, u in zip(taus, calibrator.unmet(tolerance).tolist())], ratio

@@ -5,7 +5,7 @@ pivot ``a`` = the key farthest from the segment mean, then ``b`` = the key farth
 orders its keys by projection on ``b - a`` and cuts at a cluster-aligned median (the left part
 gets ``ceil(L / 2) * cluster_size`` keys where ``L = ceil(n / cluster_size)``); ``SPLIT_REFINE``
 rounds of balanced 2-means then move the poles to the two sides' means and re-cut (on mixtures of
-Gaussians this doubles cluster purity over the plain farthest-pair cut); then it recurses. So
+Gaussians this gives purer clusters than the plain farthest-pair cut); then it recurses. So
 every cluster is full except at most the last of a block. Segment sizes depend only on the block
 length, so all heads (and all segments of one size at one level) are split as one batch of tensor
 ops; the same block always yields the same clusters, bit for bit.

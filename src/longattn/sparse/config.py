@@ -14,17 +14,16 @@ PACKINGS = ("q8_0", "f16", "f32")
 MAX_RANK = 8
 
 # Thresholds replayed during self-calibration (0 = dense, always present as the fallback):
-# 0.0025 * 2**(i/2) up to 0.64, a factor sqrt(2) apart. On Qwen2.5-0.5B the chosen taus sat at
-# 0.04-0.08 where a factor-2 grid lost up to half of the sparsity a head could afford; the grid is
-# a superset of the earlier factor-2 grid (0.0025 .. 0.32), so a head never picks a smaller tau.
+# 0.0025 * 2**(i/2) up to 0.64, a factor sqrt(2) apart, because a coarser grid drops a head to the
+# next smaller step and gives away sparsity it could afford.
 DEFAULT_TAU_GRID = (0.0,) + tuple(round(0.0025 * 2 ** (i / 2), 6) for i in range(17))
 # How a calibration sample's error is measured per KV head (its g query heads share one tau):
 #   "head":  the worst query head's ||o_tau - o|| / ||o||;
 #   "group": ||O_tau - O||_F / ||O||_F over the g heads' outputs together (<= "head" always).
 CALIB_METRICS = ("head", "group")
-# How the hierarchical tree groups leaf clusters (see tree.similarity_order):
+# How the hierarchical tree groups leaf clusters (see experimental/tree.py similarity_order):
 #   "similar": leaves with similar centroids share a subtree (default);
-#   "cache":   consecutive clusters of the cache (the earlier behaviour, for comparison).
+#   "cache":   consecutive clusters of the cache (for comparison).
 TREE_ORDERS = ("similar", "cache")
 
 
@@ -36,9 +35,10 @@ class SCSAConfig:
         cluster_size: most keys per leaf cluster.
         rank: eigenpairs kept per cluster covariance (0..8); the rest is a residual diagonal.
         power_iterations: power-iteration steps per eigenpair.
-        packing: member-row storage: "q8_0" (int8, one scale per 32-value block), "f16", or
-            "f32" (full precision; a diagnostic packing that makes tau = 0 equal dense to
-            floating-point rounding).
+        packing: member-row storage: "q8_0" (int8, one scale per 32-value block; the native
+            kernel's packing). "f16" and "f32" are experimental (PyTorch path only): "f32" is
+            full precision, a diagnostic packing that makes tau = 0 equal dense to
+            floating-point rounding.
         rebuild_interval: the sealed region grows in steps of this many tokens.
         block_size: a region of this many sealed rows is clustered once and frozen for good
             (a multiple of rebuild_interval, so blocks freeze exactly at a rebuild).
@@ -49,8 +49,7 @@ class SCSAConfig:
             cluster's members: ``min(outliers, m // 2)``). The cluster's summaries, tail and
             packed rows then describe only the rest: a far member is where the closed-form
             tail and the ranking err most. 0 keeps every member in its cluster. Default 8
-            (6.25% of a 128-key cluster): on Qwen2.5-0.5B variable tracking at 4K went from
-            1/8 to 5/8 answers identical to dense, for ~13% of SCSA's step at 32K.
+            (6.25% of a 128-key cluster).
         calib_steps: decode calls (with an index) run exactly while calibrating tau.
         tolerance: target relative output error per head during calibration (met by the
             median of its calibration errors, or the order statistic calib_quantile names).
@@ -61,15 +60,36 @@ class SCSAConfig:
         tau_grid: thresholds replayed during calibration (ascending, in [0, 1]).
         calib_metric: "head" (worst query head's relative output error, the default) or
             "group" (relative error of the KV group's outputs taken together; see CALIB_METRICS).
-        hierarchical: select by a best-first walk of an interval tree over the clusters.
-        tree_fanout: children per internal tree node (hierarchical mode).
-        tree_order: "similar" (group leaf clusters with similar centroids, the default) or
-            "cache" (group consecutive clusters); see TREE_ORDERS.
-        serial: use the slow per-cluster reference path (diagnostics, tests).
         native: run flat q8_0 calls after calibration through the C++ kernel
             (``longattn_cpu::scsa_decode``) where it is built; False keeps the PyTorch ops
             (the reference the kernel is tested against, and an A/B arm for benchmarks).
         min_context: below this many cached tokens the layer runs dense, exactly.
+        probe_dims: a key-level safety net for flat selection (0, the default, is off). Each
+            call scores every sealed member key approximately, ``q.c + q_S.(k - c)_S`` over the
+            ``probe_dims`` dimensions S where the query head's ``|q_i|`` is largest (c the key's
+            cluster centroid, exact; the offsets as packed), and the clusters holding each
+            query head's ``probe_keys`` best keys open whatever the stop rule says. The rule
+            ranks clusters by a Gaussian summary, which cannot see one key far out along the
+            query, and retrieval-like answer steps (variable tracking) hang on such keys.
+            Calibration replays it; the native call runs it (one more scoring pass over every
+            packed key row per call).
+        probe_keys: keys per query head whose clusters the probe opens (>= 1).
+        dense_when_cheaper: at the end of calibration, a layer whose sparse calls (at the taus
+            it chose, over the calibration calls' opened and exact rows, median) are predicted
+            to cost more than its dense read attends densely, exactly, instead: every KV head's
+            choice is then ``None`` (cost.py holds the model and its fitted constants).
+        exact_when_unmet: a layer with a KV head for which no tau of the grid meets the
+            tolerance (not even tau = 0: the packing's rounding alone is too coarse for that
+            head) attends exactly after calibration, instead of running at the smallest tau
+            and silently missing its tolerance. One such head makes the whole layer exact (one
+            native call serves every head of a layer).
+
+    Experimental (research variants of selection, off by default; their code lives in
+    ``sparse/experimental/``, the native kernel takes none of them):
+        hierarchical: select by a best-first walk of an interval tree over the clusters.
+        tree_fanout: children per internal tree node (hierarchical mode).
+        tree_order: "similar" (group leaf clusters with similar centroids, the default) or
+            "cache" (group consecutive clusters); see TREE_ORDERS.
         refine: re-decisions after the read (flat selection, PyTorch path). Each one replaces
             the opened clusters' estimated masses in the stop rule's total by their exact masses
             (over the packed rows) and opens, best-first, what the rule then still needs. The
@@ -78,26 +98,8 @@ class SCSAConfig:
             above its true mass), which shrinks every other cluster's share of the estimated
             total; a re-decision only ever opens more. 0 (default) keeps the single decision
             taken before any read. Calibration replays the same rule.
-        probe_dims: a key-level safety net for flat selection (0, the default, is off). Each
-            call scores every sealed member key approximately, ``q.c + q_S.(k - c)_S`` over the
-            ``probe_dims`` dimensions S where the query head's ``|q_i|`` is largest (c the key's
-            cluster centroid, exact; the offsets as packed), and the clusters holding each
-            query head's ``probe_keys`` best keys open whatever the stop rule says. The rule
-            ranks clusters by a Gaussian summary, which cannot see one key far out along the
-            query; on Qwen2.5-0.5B the answer steps of variable tracking hang on such keys
-            (opening each query head's single exact top key's cluster made 8 of 8 prompts
-            identical to dense, against 4 of 8). Calibration replays it; the native call runs it
-            (one more scoring pass over every packed key row per call).
-        probe_keys: keys per query head whose clusters the probe opens (>= 1).
-        dense_when_cheaper: at the end of calibration, a layer whose sparse calls (at the taus
-            it chose, over the calibration calls' opened and exact rows, median) are predicted
-            to cost more than its dense read attends densely, exactly, instead: every KV head's
-            choice is then ``None`` (cost.py holds the model and its measured constants).
-        exact_when_unmet: a layer with a KV head for which no tau of the grid meets the
-            tolerance (not even tau = 0: the packing's rounding alone is too coarse for that
-            head) attends exactly after calibration, instead of running at the smallest tau
-            and silently missing its tolerance. One such head makes the whole layer exact (one
-            native call serves every head of a layer).
+        serial: use the slow per-cluster reference path (the reference the fast paths are
+            tested against; diagnostics).
     """
 
     cluster_size: int = 128
@@ -115,17 +117,18 @@ class SCSAConfig:
     tau_default: float = 0.05
     tau_grid: tuple = DEFAULT_TAU_GRID
     calib_metric: str = "head"
-    hierarchical: bool = False
-    tree_fanout: int = 4
-    tree_order: str = "similar"
-    serial: bool = False
     native: bool = True
     exact_when_unmet: bool = True
     min_context: int = 8192
     dense_when_cheaper: bool = True
-    refine: int = 0
     probe_dims: int = 0
     probe_keys: int = 1
+    # --- experimental (see the docstring's last block) ---
+    hierarchical: bool = False
+    tree_fanout: int = 4
+    tree_order: str = "similar"
+    refine: int = 0
+    serial: bool = False
 
     def __post_init__(self) -> None:
         self.validate()

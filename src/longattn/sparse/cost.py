@@ -17,11 +17,8 @@ PER_OPENED a q8_0 row scored and summed (integer dots, dequantized values: more 
 than a float32 row but a quarter of the bytes), PER_EXACT a float32 row gathered from the cache
 (sink, outliers, suffix), DENSE_FIXED the dense op's own set-up. The constants are the
 least-squares fit of ``benchmarks/scsa_cost.py`` (Qwen2.5-0.5B head shapes, 2 threads, AVX-512
-forms, 2K-32K rows; ``benchmarks/results/scsa_cost.json``) on the 2-core host of session 14,
-rounded: there the dense op took 82 us + 30 ns per row read, a sparse call's fixed part ~120 us,
-and the model's predicted sparse/dense ratio was off by 0.04 (median) over 40 points. A layer
-opening 34% of a 4K cache (Qwen2.5-0.5B's mean on book text) is predicted at 0.7 of its dense
-read; one opening 98% (its layer 0) at 1.06. The constants are the native flat q8_0 call's;
+forms, 2K-32K rows), rounded; the fit and its residuals are in
+``benchmarks/results/scsa_cost.json``. The constants are the native flat q8_0 call's;
 the PyTorch paths (other packings, hierarchical mode) cost more per call than they say, so the
 rule sends fewer of those layers to their dense read than it could.
 """
@@ -33,10 +30,9 @@ PER_CLUSTER = 6.5
 PER_OPENED = 0.7
 PER_EXACT = 1.45
 DENSE_FIXED = 2750.0
-# The probe's pass (SCSAConfig.probe_dims) per packed member row, fitted alone against the four
-# constants above (session 18: scsa_cost.py --probes 16 64, per_probed_given_cost_py 0.329 over
-# 2K-32K rows; about 8 ns per row at 16 dims and 10 ns at 64 against 23 ns per dense row read).
-# The pass reads every key tile, so from DRAM (a model step) it costs more than this L3 fit says.
+# The probe's pass (SCSAConfig.probe_dims) per packed member row, fitted alone with the four
+# constants above held (``scsa_cost.py --probes 16 64``, 2K-32K rows). The pass reads every key
+# tile, so from DRAM (a model step) it costs more than this fit, made with the tiles in L3, says.
 PER_PROBED = 0.33
 
 

@@ -22,8 +22,8 @@ import torch
 
 from .clustering import cluster_block, outlier_width
 from .config import SCSAConfig
+from .experimental.tree import ClusterTree, build_tree
 from .packing import make_store
-from .tree import ClusterTree, build_tree
 
 
 class ClusterIndex:
@@ -160,10 +160,9 @@ class ClusterIndex:
 
     def _copy_outliers(self, k: torch.Tensor, v: torch.Tensor, kept: int = 0) -> None:
         """``extra_k``/``extra_v`` ``[Hkv, X, D]``: the cache's rows at ``extra_slots``, one
-        contiguous copy per KV head. The native call reads the outliers from here: read from the
-        cache by slot they are thousands of scattered rows at 32K, each a page walk away (a
-        synthetic 32K call: 0.83 ms from the cache, 0.66 ms from the copies; ~5% of a Qwen2.5
-        step at 32K). Same values as the cache holds (the sealed region never changes), so every
+        contiguous copy per KV head. The native call reads the outliers from here because, read
+        from the cache by slot, they are scattered rows, each a page walk away. Same values as
+        the cache holds (the sealed region never changes), so every
         path's output is the same bits. At each rebuild the first ``kept`` rows (the frozen
         blocks' outliers, which lead the ascending slots) stay and the rest are gathered anew.
         Costs the outliers' rows once more (6% of the sealed rows at ``outliers`` = 8 of 128)."""

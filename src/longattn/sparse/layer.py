@@ -9,24 +9,30 @@ clusters' packed rows and exact attention over them (see ``kernel.py``).
 Heads: query head ``i`` reads KV head ``i // (H // Hkv)`` (the ``repeat_interleave`` grouping).
 The ``H // Hkv`` query heads of a group read the union of their selections, so ``taus`` holds one
 threshold per KV head.
+
+This module holds the operator: a row's PyTorch path (``Prepared`` quantities, selection, the
+merged output), its native call (``NativeArgs``) and the decode loop's shortcut. ``SCSALayer``
+composes it with calibration (``calibrate.py``: the calibrating call, the tau-grid replay, the
+choice) and tau IO (``taus.py``), which its public methods call.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import LongattnError
 from ..ops import native
-from .calibrate import Calibrator, group_error
+from . import calibrate
+from . import taus as tau_io
 from .config import SCSAConfig
+from .experimental.refine import refine_opened
+from .experimental.tree_walk import leaves_under, select_tree
 from .index import ClusterIndex
-from .kernel import (NEG_INF, Selection, cluster_scores, mask_to_ids, merged_output, needed, probe_mask,
-                     probe_opened, refine_opened, select_flat, select_tree)
+from .kernel import NEG_INF, Selection, mask_to_ids, merged_output, probe_mask, probe_opened, select_flat
+from .prepared import Prepared, prepare
 from .serial import serial_row
 
 MAX_HEAD_DIM = 512
@@ -36,9 +42,54 @@ COUNTER_NAMES = ("rebuilds", "opened_rows", "exact_rows", "outlier_rows", "clust
 
 
 def _native_call(*args):
-    """``longattn_cpu::scsa_decode`` (ops/csrc/scsa_decode.cpp): the one place both native paths
-    call it (``SCSALayer._native_row`` and the decode loop's ``_hot_call``)."""
+    """``longattn_cpu::scsa_decode`` (ops/csrc/scsa_decode.cpp) on ``(q, k, v, s0, s1,
+    *NativeArgs)``: the one place both native paths call it (``SCSALayer._native_row`` and the
+    decode loop's ``_hot_call``)."""
     return torch.ops.longattn_cpu.scsa_decode.default(*args)
+
+
+class NativeArgs(NamedTuple):
+    """What ``longattn_cpu::scsa_decode`` takes after the row ``(q, k, v, s0, s1)``, in the
+    kernel's order (unpacking gives its positional arguments): the index's tensors, the
+    thresholds and the settings. They stay as they are until the index rebuilds or the taus
+    change, so the decode loop's shortcut keeps one (``SCSALayer._hot``). ``X`` outliers,
+    ``C >= M`` allocated clusters of ``cs`` rows, ``r`` eigenpairs."""
+
+    extra_slots: torch.Tensor  # int64 [Hkv, X]: the outliers' cache slots, ascending
+    summ: torch.Tensor         # [Hkv, C, 1 + r, D]: centroid, then sqrt(lam) u rows
+    resid: torch.Tensor        # [Hkv, C, D]: residual diagonal
+    log_counts: torch.Tensor   # [C]: log of each cluster's member count
+    radius: torch.Tensor       # [Hkv, C]: farthest member from the centroid
+    vmean: torch.Tensor        # [Hkv, C, D]: value means (the tails' values)
+    counts: torch.Tensor       # int64 [C]: member counts
+    num_clusters: int          # M, the live clusters
+    kt: torch.Tensor           # int8 [Hkv, C, T, D/2, 8, 2]: q8_0 key tiles (Q8Store)
+    ks: torch.Tensor           # float32 [Hkv, C, cs, nb]: their block scales
+    vi: torch.Tensor           # int8 [Hkv, C, cs, D]: q8_0 value rows
+    vs: torch.Tensor           # float32 [Hkv, C, cs, nb]: their block scales
+    taus: torch.Tensor         # float32 [Hkv], contiguous
+    scale: float               # beta
+    probe_dims: int            # SCSAConfig.probe_dims (0: no probe)
+    probe_keys: int            # SCSAConfig.probe_keys
+    extra_k: torch.Tensor      # float32 [Hkv, X, D]: the outliers' keys
+    extra_v: torch.Tensor      # float32 [Hkv, X, D]: their values
+
+    @classmethod
+    def of(cls, index: ClusterIndex, taus: torch.Tensor, scale: float, cfg: SCSAConfig) -> NativeArgs:
+        """The arguments for ``index`` at thresholds ``taus`` (float32 contiguous ``[Hkv]``)."""
+        st = index.store
+        return cls(index.extra_slots, index.summ, index.resid, index.log_counts, index.radius, index.vmean,
+                   index.counts, index.num_clusters, st.kt, st.ks, st.vi, st.vs, taus, float(scale),
+                   cfg.probe_dims, cfg.probe_keys, index.extra_k, index.extra_v)
+
+
+class _Hot(NamedTuple):
+    """The decode loop's shortcut state (see ``SCSALayer._hot_call``)."""
+
+    index: ClusterIndex
+    args: NativeArgs
+    scale: float
+    q_shape: torch.Size
 
 
 class SCSALayer:
@@ -72,8 +123,8 @@ class SCSALayer:
         self.exact_heads = torch.zeros(num_kv_heads, dtype=torch.bool)
         self._runs_exact = False  # calibrated and exact_heads.any(), as a Python bool (hot path)
         self.calibrated = cfg.calib_steps == 0
-        self.calibrator = Calibrator(cfg.tau_grid, cfg.calib_steps, cfg.tolerance, num_kv_heads,
-                                     cfg.calib_quantile)
+        self.calibrator = calibrate.Calibrator(cfg.tau_grid, cfg.calib_steps, cfg.tolerance, num_kv_heads,
+                                               cfg.calib_quantile)
         # predicted sparse / dense cost at the calibrated taus (choose_taus; None before)
         self.cost_ratio: float | None = None
         self.indexes: list[ClusterIndex] = []
@@ -81,7 +132,7 @@ class SCSALayer:
         # the decode loop's shortcut (see _hot_call): the single row's index and what the kernel
         # takes besides the row, once a calibrated call of one row took the native kernel;
         # dropped whenever taus or indexes change
-        self._hot: tuple | None = None
+        self._hot: _Hot | None = None
 
     # --- public --------------------------------------------------------------------------
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -118,7 +169,7 @@ class SCSALayer:
             self.counters["exact_rows"] += B * self.num_kv_heads * N
             return self._dense(q, k, v, scale)
         if not self.calibrated:
-            return self._calibration_call(q, k, v, scale)
+            return calibrate.calibration_call(self, q, k, v, scale)
         if B == 1:  # the decode loop's case: no per-row list, stack or cast beyond what is needed
             k0, v0 = k[0], v[0]
             out = self._row(0, q[0, :, 0], k0, v0, scale, self.taus).view(1, H, 1, D)
@@ -126,7 +177,7 @@ class SCSALayer:
             if q.dtype == torch.float32 and not self.cfg.serial and self._native_applies(index, k0, v0):
                 # the row went native (as _row decides) at the layer's taus: the next steps may
                 # take the shortcut
-                self._hot = (index, self._native_tail(index, self.taus, scale), scale, q.shape)
+                self._hot = _Hot(index, self._native_args(index, self.taus, scale), scale, q.shape)
         else:
             rows = [self._row(b, q[b, :, 0], k[b], v[b], scale, self.taus) for b in range(B)]
             out = torch.stack(rows).view(B, H, 1, D)
@@ -139,22 +190,12 @@ class SCSALayer:
         ``SCSAConfig.exact_when_unmet``; or the sparse call would cost more than the dense read,
         see ``SCSAConfig.dense_when_cheaper``): the layer then runs dense.
         """
-        if torch.is_tensor(taus):
-            taus = taus.flatten().tolist()
-        elif not isinstance(taus, (list, tuple)):
-            taus = [taus]
-        if len(taus) == 1:
-            taus = list(taus) * self.num_kv_heads
-        exact = [t is None for t in taus]
-        t = torch.tensor([0.0 if x is None else x for x in taus], dtype=torch.float32)
-        if t.numel() != self.num_kv_heads or not bool(((t >= 0) & (t <= 1)).all()):
-            raise LongattnError(f"set_taus: need {self.num_kv_heads} values in [0, 1] (or None: exact), "
-                                f"got {taus}")
+        t, exact = tau_io.tau_tensors(taus, self.num_kv_heads)
         self._hot = None
         self.taus = t  # float32, contiguous: the native call takes it as it is
-        self.exact_heads = torch.tensor(exact, dtype=torch.bool)
+        self.exact_heads = exact
         self.calibrated = True
-        self._runs_exact = any(exact)
+        self._runs_exact = bool(exact.any())
 
     @property
     def runs_exact(self) -> bool:
@@ -170,52 +211,23 @@ class SCSALayer:
 
     def tau_values(self) -> list:
         """Frozen taus per KV head, ``None`` where the head attends exactly."""
-        return [None if e else t for t, e in zip(self.taus.tolist(), self.exact_heads.tolist())]
+        return tau_io.tau_values(self.taus, self.exact_heads)
 
     def choose_taus(self, tolerance: float | None = None) -> list:
         """The calibrated choice per KV head at ``tolerance`` (default the configured one):
         a tau, or ``None`` where none meets it and ``exact_when_unmet`` is on. With
         ``dense_when_cheaper``, ``None`` for every head when the sparse calls at the chosen taus
         would cost more than the dense read (``cost_ratio`` > 1; see cost.py)."""
-        taus = self.calibrator.choose(self.cfg.tau_default, tolerance).tolist()
-        self.cost_ratio = self.calibrator.cost_ratio(tolerance)
-        if self.cfg.dense_when_cheaper and self.cost_ratio is not None and self.cost_ratio > 1.0:
-            return [None] * self.num_kv_heads
-        if not self.cfg.exact_when_unmet:
-            return taus
-        return [None if u else t for t, u in zip(taus, self.calibrator.unmet(tolerance).tolist())]
+        taus, self.cost_ratio = calibrate.choose_taus(self.calibrator, self.cfg, self.num_kv_heads, tolerance)
+        return taus
 
     def save_taus(self, path) -> None:
         """Merge this layer's taus into the JSON file ``{"layer:head": tau}`` (atomic write)."""
-        path = os.fspath(path)
-        data = {}
-        if os.path.exists(path):
-            data = _read_taus(path)
-        for h, t in enumerate(self.tau_values()):
-            data[f"{self.layer_index}:{h}"] = t  # None (JSON null): the head attends exactly
-        folder = os.path.dirname(os.path.abspath(path))
-        tmp = None
-        try:
-            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1, sort_keys=True)
-            os.replace(tmp, path)
-        except OSError as e:
-            if tmp is not None and os.path.exists(tmp):
-                os.unlink(tmp)
-            raise LongattnError(f"cannot write taus to {path}: {e.strerror}") from None
+        tau_io.save_taus(path, self.layer_index, self.tau_values())
 
     def load_taus(self, path) -> None:
         """Load this layer's taus from a file written by ``save_taus`` and end calibration."""
-        path = os.fspath(path)
-        data = _read_taus(path)
-        keys = [f"{self.layer_index}:{h}" for h in range(self.num_kv_heads)]
-        missing = [key for key in keys if key not in data]
-        if missing:
-            raise LongattnError(f"{path} has no taus for layer {self.layer_index} heads "
-                                f"{', '.join(key.split(':')[1] for key in missing)}; recalibrate or "
-                                f"check the layer index")
-        self.set_taus([data[key] for key in keys])
+        self.set_taus(tau_io.load_taus(path, self.layer_index, self.num_kv_heads))
 
     def reset(self) -> None:
         """Forget every index (a new sequence); taus and counters are kept."""
@@ -235,17 +247,18 @@ class SCSALayer:
         return [_accounting(*entry) for entry in self._last]
 
     # --- internals -----------------------------------------------------------------------
-    def _hot_call(self, hot: tuple, q, k, v, scale):
+    def _hot_call(self, hot: _Hot, q, k, v, scale):
         """The decode loop's step after a native single-row call: what the general path does
         when its index has nothing to build (the same native row, counters and accounting),
         with the checks cut to what can change between two steps: shapes, dtypes, row strides,
         the scale, the cache's length (no rebuild due, not below the sealed region, not below
         ``min_context``) and its last sealed keys (another sequence). ``None``: anything else,
         which the general path then handles (and checks) in full. ``hot`` holds the index, what
-        the kernel takes besides the row (``_native_tail``), the scale and q's shape, kept while
-        the index and the taus stay as they are (see ``_hot``). Against the general path it saved ~25 us a layer
-        call in the model at 32K (32.8 -> 32.2 ms a step, ``scsa_alternate.py --general``)."""
-        index, tail, scale0, q_shape = hot
+        the kernel takes besides the row (``NativeArgs``), the scale and q's shape, kept while
+        the index and the taus stay as they are (see ``_hot``). It exists because this runs once
+        per sparse layer and step, where the general path's Python checks are a visible share of
+        the call (``scsa_alternate.py --general`` compares the two)."""
+        index, args, scale0, q_shape = hot
         D = self.head_dim
         if q.shape != q_shape or k.shape != v.shape or k.shape[:2] != (1, self.num_kv_heads) \
                 or k.shape[3] != D or k.dtype != torch.float32 or v.dtype != torch.float32 \
@@ -256,7 +269,7 @@ class SCSALayer:
         if n < self.cfg.min_context or not index.is_current(k):  # a rebuild, or another sequence
             return None
         s0, s1 = index.exact_slots(n)
-        out, opened, opened_rows = _native_call(q, k, v, s0, s1, *tail)  # 4-D in, [1, H, 1, D] out
+        out, opened, opened_rows = _native_call(q, k, v, s0, s1, *args)  # 4-D in, [1, H, 1, D] out
         hkv, X, M = self.num_kv_heads, index.extra_slots.shape[1], index.num_clusters
         counters = self.counters
         counters["calls"] += 1
@@ -287,50 +300,37 @@ class SCSALayer:
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return out.to(q.dtype)
 
-    def _prepare(self, index: ClusterIndex, q_row, k_row, v_row, scale, flat_scores: bool | None = None):
-        """Per-row quantities shared by every tau: grouped query, exact rows and their mass, and
-        (flat mode) every cluster's tail logit and estimate."""
-        n = k_row.shape[1]
-        qg = q_row.float().reshape(self.num_kv_heads, self.group, self.head_dim)  # [Hkv, g, D]
-        s0, s1 = index.exact_slots(n)
-        at = index.extra_slots.unsqueeze(-1).expand(-1, -1, k_row.shape[-1])  # the outliers [Hkv, X, D]
-        # sink, outliers, suffix: the order of every path's exact rows
-        k_ex = torch.cat([k_row[:, :s0], k_row.gather(1, at), k_row[:, s1:]], 1).float()  # [Hkv, E, D]
-        v_ex = torch.cat([v_row[:, :s0], v_row.gather(1, at), v_row[:, s1:]], 1).float()
-        s_ex = torch.bmm(qg, k_ex.transpose(1, 2)) * scale  # [Hkv, g, E]
-        log_exact = torch.logsumexp(s_ex, -1) if s_ex.shape[-1] else s_ex.new_full(s_ex.shape[:2], NEG_INF)
-        prep = {"qg": qg, "s_ex": s_ex, "v_ex": v_ex, "log_exact": log_exact, "n": n}
+    def _prepare(self, index: ClusterIndex, q_row, k_row, v_row, scale,
+                 flat_scores: bool | None = None) -> Prepared:
+        """``prepared.prepare`` for one row; flat selection also scores every cluster."""
         if flat_scores is None:
             flat_scores = not self.cfg.hierarchical
-        if index.num_clusters and flat_scores:
-            prep["tail"], prep["est"] = cluster_scores(qg, index.live_summ, index.live_resid,
-                                                       index.live_log_counts, index.live_radius, scale)
-        return prep
+        return prepare(index, q_row, k_row, v_row, scale, self.group, flat_scores)
 
-    def _select(self, index: ClusterIndex, prep: dict, scale: float, taus: torch.Tensor,
+    def _select(self, index: ClusterIndex, prep: Prepared, scale: float, taus: torch.Tensor,
                 hierarchical: bool | None = None):
         """Priorities + stop rule: ``(selection, tail logits [Hkv, g, T], tail values [Hkv, T, D])``."""
         if hierarchical is None:
             hierarchical = self.cfg.hierarchical
         if hierarchical:
-            sel, tail = select_tree(prep["qg"], index.tree, prep["log_exact"], taus, scale)
+            sel, tail = select_tree(prep.qg, index.tree, prep.log_exact, taus, scale)
             return sel, tail, _gather_rows(index.tree.vmean, sel.tail_ids)
-        sel = select_flat(prep["est"], prep["log_exact"], taus)
+        sel = select_flat(prep.est, prep.log_exact, taus)
         if self.cfg.probe_dims:
             opened = sel.opened | self._probe(index, prep)
             sel = Selection(opened, sel.tail_ids, ~opened, sel.scored)
         if self.cfg.refine:
             sel = self.refine(index, prep, sel, taus, scale, self.cfg.refine)
-        return sel, prep["tail"], index.live_vmean
+        return sel, prep.tail, index.live_vmean
 
-    def refine(self, index: ClusterIndex, prep: dict, sel: Selection, taus: torch.Tensor, scale: float,
+    def refine(self, index: ClusterIndex, prep: Prepared, sel: Selection, taus: torch.Tensor, scale: float,
                rounds: int) -> Selection:
         """A flat selection re-decided up to ``rounds`` times with the opened clusters' exact masses
-        (``kernel.refine_opened``; stops early once nothing more opens)."""
+        (``experimental.refine.refine_opened``; stops early once nothing more opens)."""
         opened = sel.opened
         log_mass = self._cluster_log_mass(index, prep, opened, scale)
         for _ in range(rounds):
-            more = refine_opened(opened, prep["est"], prep["log_exact"], log_mass, taus)
+            more = refine_opened(opened, prep.est, prep.log_exact, log_mass, taus)
             if torch.equal(more, opened):
                 break
             fresh = more & ~opened  # only the newly opened clusters are scored
@@ -338,7 +338,7 @@ class SCSALayer:
             opened = more
         return Selection(opened, sel.tail_ids, ~opened, sel.scored)
 
-    def _probe(self, index: ClusterIndex, prep: dict) -> torch.Tensor:
+    def _probe(self, index: ClusterIndex, prep: Prepared) -> torch.Tensor:
         """The clusters the probe opens (``SCSAConfig.probe_dims``), bool ``[Hkv, M]``, kept in
         ``prep`` so a call and its calibration replay compute it once.
 
@@ -346,9 +346,9 @@ class SCSALayer:
         query masked to its ``probe_dims`` largest dimensions ``q_S`` (as it scores opened rows:
         ``q_S.c_store + q_S.(k - c_store)``), and the rest of the centroid term ``(q - q_S).c``
         is added per cluster."""
-        if "probe" in prep:
-            return prep["probe"]
-        qg, M, cs = prep["qg"], index.num_clusters, self.cfg.cluster_size
+        if prep.probe is not None:
+            return prep.probe
+        qg, M, cs = prep.qg, index.num_clusters, self.cfg.cluster_size
         qm = qg * probe_mask(qg, self.cfg.probe_dims)
         ids = torch.arange(M).expand(self.num_kv_heads, M)
         s = index.store.scores(index.store.prepare_query(qm), ids)  # [Hkv, g, M * cs]
@@ -356,14 +356,14 @@ class SCSALayer:
         s = s.view(*centre.shape, cs) + centre.unsqueeze(-1)
         if index.has_padding:
             s = s + index.pad_bias[:M]
-        prep["probe"] = probe_opened(s.flatten(2), cs, self.cfg.probe_keys)
-        return prep["probe"]
+        prep.probe = probe_opened(s.flatten(2), cs, self.cfg.probe_keys)
+        return prep.probe
 
-    def _cluster_log_mass(self, index: ClusterIndex, prep: dict, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    def _cluster_log_mass(self, index: ClusterIndex, prep: Prepared, mask: torch.Tensor, scale: float) -> torch.Tensor:
         """Exact log-mass of the clusters in ``mask`` (bool ``[Hkv, M]``) over their packed rows,
         as the read scores them: ``[Hkv, g, M]``, -inf outside ``mask``."""
         hkv, M = mask.shape
-        out = prep["qg"].new_full((hkv, self.group, M + 1), NEG_INF)
+        out = prep.qg.new_full((hkv, self.group, M + 1), NEG_INF)
         idx, valid, counts = mask_to_ids(mask)
         if idx.shape[1] == 0:
             return out[..., :M]
@@ -372,7 +372,7 @@ class SCSALayer:
         at = torch.where(valid, idx, torch.full_like(idx, M)).unsqueeze(1).expand_as(lm)
         return out.scatter_(-1, at, lm)[..., :M]
 
-    def _output(self, index: ClusterIndex, prep: dict, sel: Selection, tail, v_tail, scale: float):
+    def _output(self, index: ClusterIndex, prep: Prepared, sel: Selection, tail, v_tail, scale: float):
         """One ascending sweep over the opened clusters' packed rows, merged with the exact rows and
         the tails: ``[Hkv, g, D]``."""
         tail = tail.masked_fill(~sel.tail_mask.unsqueeze(1), NEG_INF)
@@ -389,7 +389,7 @@ class SCSALayer:
     def _output_heads(self, index, prep, h0, idx, valid, counts, tail, v_tail, scale):
         """``_output`` for KV heads ``h0 .. h0 + len(idx)``."""
         hh = idx.shape[0]
-        s_ex, v_ex = prep["s_ex"][h0:h0 + hh], prep["v_ex"][h0:h0 + hh]
+        s_ex, v_ex = prep.s_ex[h0:h0 + hh], prep.v_ex[h0:h0 + hh]
         s_open = v_open = None
         if idx.shape[1]:
             s_open = self._open_scores(index, prep, h0, idx, valid, counts, scale)
@@ -400,10 +400,10 @@ class SCSALayer:
         """Scaled scores of KV heads ``h0 .. h0 + len(idx)``'s query heads with the packed rows of
         clusters ``idx`` ``[h, K]`` (padding rows and invalid entries -inf): ``[h, g, K * cs]``.
         The query is prepared (quantized, for q8_0) once per call and kept in ``prep``."""
-        if "qprep" not in prep:
-            prep["qprep"] = index.store.prepare_query(prep["qg"])
+        if prep.qprep is None:
+            prep.qprep = index.store.prepare_query(prep.qg)
         hh = idx.shape[0]
-        qprep = prep["qprep"]
+        qprep = prep.qprep
         if hh != self.num_kv_heads:
             qprep = tuple(t[h0:h0 + hh] for t in qprep) if isinstance(qprep, tuple) else qprep[h0:h0 + hh]
         s = index.store.scores(qprep, idx, h0) * scale  # [h, g, K*cs]
@@ -412,10 +412,10 @@ class SCSALayer:
             s = s + bias.view(hh, 1, -1)
         return s
 
-    def _sparse(self, index: ClusterIndex, prep: dict, scale: float, taus: torch.Tensor):
+    def _sparse(self, index: ClusterIndex, prep: Prepared, scale: float, taus: torch.Tensor):
         """Output ``[Hkv, g, D]`` and the selection for one row at thresholds ``taus [Hkv]``."""
         if index.num_clusters == 0:
-            s_ex, v_ex = prep["s_ex"], prep["v_ex"]
+            s_ex, v_ex = prep.s_ex, prep.v_ex
             return merged_output(s_ex, v_ex, None, None, s_ex[..., :0], v_ex[:, :0]), None
         sel, tail, v_tail = self._select(index, prep, scale, taus)
         return self._output(index, prep, sel, tail, v_tail, scale), sel
@@ -451,124 +451,38 @@ class SCSALayer:
         return all(t.dtype == torch.float32 and t.stride(-1) == 1 and t.stride(-2) == D
                    for t in (k_row, v_row)) and native.available()
 
-    def _native_tail(self, index: ClusterIndex, taus, scale) -> tuple:
-        """What ``longattn_cpu::scsa_decode`` takes after the row and its exact slots: the
-        index's tensors, the thresholds and the settings (fixed until the index rebuilds or the
-        taus change, so the decode loop's shortcut keeps it)."""
-        st = index.store
-        return (index.extra_slots, index.summ, index.resid, index.log_counts, index.radius, index.vmean,
-                index.counts, index.num_clusters, st.kt, st.ks, st.vi, st.vs,
-                taus if taus is self.taus else taus.float().contiguous(), float(scale), self.cfg.probe_dims,
-                self.cfg.probe_keys, index.extra_k, index.extra_v)
+    def _native_args(self, index: ClusterIndex, taus, scale) -> NativeArgs:
+        """``NativeArgs`` of ``index`` at ``taus`` (the layer's own taus are already float32 and
+        contiguous)."""
+        return NativeArgs.of(index, taus if taus is self.taus else taus.float().contiguous(), scale, self.cfg)
 
     def _native_row(self, index: ClusterIndex, q_row, k_row, v_row, s0, s1, scale, taus):
         """One row through ``longattn_cpu::scsa_decode`` (slots ``[0, s0)``, the outliers and
         ``[s1, N)`` exact): output ``[Hkv, g, D]``, the flat selection (the same decisions as
         ``select_flat``, read in one native pass) and the member rows opened (all KV heads)."""
-        tail = self._native_tail(index, taus, scale)
-        out, opened, rows = _native_call(q_row.float(), k_row, v_row, s0, s1, *tail)
+        args = self._native_args(index, taus, scale)
+        out, opened, rows = _native_call(q_row.float(), k_row, v_row, s0, s1, *args)
         # flat: tails = ~opened (see _accounting)
         sel = Selection(opened, None, None, self.num_kv_heads * index.num_clusters)
         return out.view(self.num_kv_heads, self.group, self.head_dim), sel, int(rows)
 
-    def replay_errors(self, index: ClusterIndex, prep: dict, o_exact: torch.Tensor, scale: float) -> torch.Tensor:
-        """Replay the stop rule at every tau of the calibration grid for one row.
-
-        Args:
-            index: the row's cluster index; prep: ``_prepare``'s quantities for the call;
-            o_exact: float32 ``[Hkv, g, D]``, the call's exact output.
-        Returns:
-            float64 ``[T, Hkv]``: the sparse output's error (``cfg.calib_metric``) at each tau.
-        """
+    def replay_errors(self, index: ClusterIndex, prep: Prepared, o_exact: torch.Tensor, scale: float) -> torch.Tensor:
+        """The sparse output's error at every tau of the calibration grid for one row, float64
+        ``[T, Hkv]`` (``calibrate.replay``)."""
         return self.replay(index, prep, o_exact, scale)[0]
 
-    def replay(self, index: ClusterIndex, prep: dict, o_exact: torch.Tensor, scale: float):
-        """``replay_errors`` and the member rows each tau opens: ``(errors float64 [T, Hkv],
-        opened rows int64 [T, Hkv])``."""
-        grid = self.calibrator.grid.float()
-        counts = index.counts[:index.num_clusters]
-        errs, rows = [], []
-        if self.cfg.hierarchical:
-            for tau in grid:
-                o_tau, sel = self._sparse(index, prep, scale, tau.expand(self.num_kv_heads))
-                errs.append(group_error(o_tau, o_exact, self.cfg.calib_metric))  # [Hkv]
-                rows.append((sel.opened.long() * counts).sum(-1))
-            return torch.stack(errs), torch.stack(rows)
-        # one sort for the whole grid; equal selections share one output
-        taus = grid.unsqueeze(1).expand(-1, self.num_kv_heads)
-        opened = needed(prep["est"], prep["log_exact"], taus)
-        if self.cfg.probe_dims:  # the same clusters at every tau
-            opened = opened | self._probe(index, prep)
-        if self.cfg.refine:  # calibration reads everything anyway: every cluster's mass once
-            log_mass = self._cluster_log_mass(index, prep, torch.ones_like(opened[0]), scale)
-            for _ in range(self.cfg.refine):
-                opened = refine_opened(opened, prep["est"], prep["log_exact"], log_mass, taus)
-        last, err = None, None
-        for mask in opened:  # [Hkv, M] per tau
-            if last is None or not torch.equal(mask, last):
-                sel = Selection(mask, None, ~mask, 0)
-                o_tau = self._output(index, prep, sel, prep["tail"], index.live_vmean, scale)
-                err = group_error(o_tau, o_exact, self.cfg.calib_metric)  # [Hkv]
-                last = mask
-            errs.append(err)
-        return torch.stack(errs), (opened.long() * counts).sum(-1)
+    def replay(self, index: ClusterIndex, prep: Prepared, o_exact: torch.Tensor, scale: float):
+        """``calibrate.replay``: errors float64 ``[T, Hkv]`` and opened rows int64 ``[T, Hkv]``."""
+        return calibrate.replay(self, index, prep, o_exact, scale)
 
     def probed_rows(self, index: ClusterIndex) -> int:
-        """Rows the probe scores per call, summed over the KV heads: every packed member row when
-        ``probe_dims`` is on, else 0 (what the cost rule prices, cost.PER_PROBED)."""
-        return self.num_kv_heads * index.packed_rows if self.cfg.probe_dims else 0
-
-    def _calibration_call(self, q, k, v, scale):
-        """Exact output; replays every tau of the grid and records the errors."""
-        out = self._dense(q, k, v, scale)
-        B = q.shape[0]
-        self.counters["exact_rows"] += B * self.num_kv_heads * k.shape[2]
-        tables, reads = [], []
-        n = k.shape[2]
-        for b, index in enumerate(self.indexes):
-            if index.num_clusters == 0:
-                continue
-            o_exact = out[b, :, 0].float().view(self.num_kv_heads, self.group, self.head_dim)
-            prep = self._prepare(index, q[b, :, 0], k[b], v[b], scale)
-            errors, opened = self.replay(index, prep, o_exact, scale)
-            tables.append(errors)
-            reads.append((n, index.num_clusters, self.num_kv_heads * index.exact_count(n), opened,
-                          self.probed_rows(index)))
-        self.calibrator.record(tables, reads)
-        if self.calibrator.done:
-            self.set_taus(self.choose_taus())
-        return out
+        """Rows the probe scores per call, summed over the KV heads (``calibrate.probed_rows``)."""
+        return calibrate.probed_rows(self.cfg, self.num_kv_heads, index)
 
 
 def _gather_rows(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``t [Hkv, Nn, D]`` rows at ``ids [Hkv, F]`` -> ``[Hkv, F, D]``."""
     return t.gather(1, ids.unsqueeze(-1).expand(-1, -1, t.shape[-1]))
-
-
-def _read_taus(path: str) -> dict:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise LongattnError(f"tau file {path} does not exist; calibrate first and save_taus") from None
-    except (OSError, ValueError) as e:
-        raise LongattnError(f"tau file {path} is not readable JSON ({e}); "
-                            f"delete it and recalibrate") from None
-    if not isinstance(data, dict) or not all(x is None or isinstance(x, (int, float)) for x in data.values()):
-        raise LongattnError(f"tau file {path} must map \"layer:head\" to numbers (or null: exact); "
-                            f"delete it and recalibrate")
-    return data
-
-
-def _leaves_under(tree, node: int) -> list[int]:
-    stack, out = [node], []
-    while stack:
-        x = stack.pop()
-        if bool(tree.is_leaf[x]):
-            out.append(x)
-        else:
-            stack.extend(c for c in tree.children[x].tolist() if c >= 0)
-    return out
 
 
 def _accounting(index: ClusterIndex, sel: Selection | None, n: int) -> dict:
@@ -594,7 +508,7 @@ def _accounting(index: ClusterIndex, sel: Selection | None, n: int) -> dict:
                 opened_rows[h] += slots.numel()
             for pos in sel.tail_mask[h].nonzero().flatten().tolist():
                 node = int(sel.tail_ids[h, pos])
-                leaves = _leaves_under(index.tree, node) if index.tree is not None and \
+                leaves = leaves_under(index.tree, node) if index.tree is not None and \
                     index.cfg.hierarchical else [node]
                 for c in leaves:
                     slots = index.slots[h, c][index.slots[h, c] >= 0]

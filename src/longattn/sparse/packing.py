@@ -1,9 +1,6 @@
-"""Packed copies of clustered key/value rows: q8_0, f16 or f32, contiguous per cluster.
-
-Layout (every packing): cluster ``c`` of KV head ``h`` owns ``[h, c, 0:cluster_size]`` of a
-``[Hkv, capacity, cluster_size, D]`` array, so opening a cluster is one contiguous read and a set
-of opened clusters is one ``index_select`` (adjacent clusters are adjacent in memory). Rows past a
-cluster's count are zero padding; the index masks them with ``-inf``.
+"""The q8_0 packing of clustered key/value rows, and ``make_store``, which picks a packing
+(the cluster-contiguous layout every packing shares is ``store.py``'s; the f16/f32 packings are
+experimental, ``experimental/float_store.py``).
 
 q8_0 (as in ggml): each row is cut into blocks of ``qblock`` (32, or gcd(D, 32) when D is not a
 multiple of 32) values; a block stores one float scale ``s = amax / 127`` and int8 values
@@ -16,9 +13,8 @@ which is exact here: ``|iq_b . ik_b| <= qblock * 2047 * 127 < 2**24`` (and fits 
 q8_0 keys are stored relative to their cluster's centre ``c`` (the index passes the centroid of
 the cluster's members): the packed row is ``q8(k - c)`` and a score is ``q.c + q8dot(q, k - c)``,
 the first term in float32 with the unquantized query. The residuals ``k - c`` are far smaller
-than the keys where keys share a large common part (Qwen2.5's key biases: on its first layer
-the uncentred rows left 12-38% output error with every cluster opened, centred ones 0.6-1.2%),
-and a block's rounding step is its own amax / 127.
+than the keys where keys share a large common part (such as Qwen2.5's key biases), and a
+block's rounding step is its own amax / 127.
 """
 
 from __future__ import annotations
@@ -28,6 +24,8 @@ import math
 import torch
 
 from ..errors import LongattnError
+from .experimental.float_store import FloatStore
+from .store import PackedStore
 
 Q8_MAX = 127.0
 QUERY_MAX = 2047.0  # 12-bit query blocks: block dots with int8 keys stay below 2**24 (see above)
@@ -93,131 +91,6 @@ def q8_dot_bound(q: torch.Tensor, k: torch.Tensor, qblock: int) -> torch.Tensor:
     q_l1 = q.float().abs().unflatten(-1, (nb, qblock)).sum(-1)  # [..., nb]
     khat_l1 = ki.float().abs().unflatten(-1, (nb, qblock)).sum(-1) * ks
     return (q_l1 * ks / 2 + qs / 2 * khat_l1).sum(-1)
-
-
-def _grow(t: torch.Tensor, capacity: int, dim: int = 1) -> torch.Tensor:
-    """A copy of ``t`` with ``dim`` enlarged to ``capacity`` (new entries zero)."""
-    shape = list(t.shape)
-    shape[dim] = capacity
-    out = t.new_zeros(shape)
-    out.narrow(dim, 0, t.shape[dim]).copy_(t)
-    return out
-
-
-class PackedStore:
-    """Cluster-contiguous member rows of one batch row's index, all KV heads.
-
-    Subclasses decide the number format. Shapes: ``keys``/``values`` written as float
-    ``[Hkv, C, cluster_size, D]`` (zero padded); ``idx`` is ``[Hkv, K]`` cluster ids per head.
-    """
-
-    name = ""
-
-    def __init__(self, num_kv_heads: int, cluster_size: int, head_dim: int) -> None:
-        self.hkv, self.cs, self.d = num_kv_heads, cluster_size, head_dim
-        self.capacity = 0
-
-    # --- storage -------------------------------------------------------------------------
-    def ensure(self, clusters: int) -> None:
-        """Make room for ``clusters`` clusters per head (capacity doubles, amortised O(1))."""
-        if clusters <= self.capacity:
-            return
-        cap = max(clusters, 2 * self.capacity, 8)
-        for name in self._fields():
-            setattr(self, name, _grow(getattr(self, name), cap))
-        self.capacity = cap
-
-    def _alloc(self) -> None:
-        for name in self._fields():
-            setattr(self, name, self._empty(name, 0))
-
-    def write(self, c0: int, keys: torch.Tensor, values: torch.Tensor,
-              centers: torch.Tensor | None = None) -> None:
-        """Store clusters ``c0 .. c0 + C`` from float ``[Hkv, C, cluster_size, D]`` rows.
-
-        ``centers`` ``[Hkv, C, D]``: each cluster's key centre (stores that quantize keep their
-        keys relative to it; ``None``: zero).
-        """
-        raise NotImplementedError
-
-    def _fields(self) -> tuple[str, ...]:
-        raise NotImplementedError
-
-    def _empty(self, name: str, clusters: int) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _flat(self, idx: torch.Tensor, h0: int) -> torch.Tensor:
-        """``[h, K]`` cluster ids of heads ``h0 .. h0 + h`` -> ``[h * K]`` ids into the flattened heads."""
-        base = torch.arange(h0, h0 + idx.shape[0]).mul_(self.capacity).unsqueeze(1)  # [h, 1]
-        return (idx + base).reshape(-1)
-
-    def _gather(self, t: torch.Tensor, idx: torch.Tensor, h0: int) -> torch.Tensor:
-        """Rows of the given clusters, ``[h, K * cluster_size, last]``."""
-        flat = self._flat(idx, h0)
-        rows = t.reshape(self.hkv * self.capacity, self.cs, t.shape[-1]).index_select(0, flat)
-        return rows.view(idx.shape[0], -1, t.shape[-1])
-
-    # --- reads ---------------------------------------------------------------------------
-    def prepare_query(self, qg: torch.Tensor):
-        """Per-call query preparation; ``qg`` is float32 ``[Hkv, g, D]``."""
-        return qg
-
-    def key_center(self, h: int, c: int) -> torch.Tensor:
-        """The centre cluster ``c``'s stored keys are relative to, float64 ``[D]`` (zero when the
-        store keeps the keys themselves)."""
-        return torch.zeros(self.d, dtype=torch.float64)
-
-    def scores(self, qprep, idx: torch.Tensor, h0: int = 0) -> torch.Tensor:
-        """Raw dots (no scale) of the queries with the opened clusters' rows: ``[h, g, K * cs]``.
-
-        ``idx`` ``[h, K]`` holds cluster ids of KV heads ``h0 .. h0 + h`` (``qprep`` sliced alike).
-        """
-        raise NotImplementedError
-
-    def values(self, idx: torch.Tensor, h0: int = 0) -> torch.Tensor:
-        """Opened clusters' value rows as float32 ``[h, K * cs, D]``."""
-        raise NotImplementedError
-
-    def query_view(self, qg: torch.Tensor) -> torch.Tensor:
-        """The query exactly as scoring sees it (dequantized for q8), float ``[Hkv, g, D]``."""
-        return qg
-
-    def cluster_rows(self, h: int, c: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stored (dequantized) keys relative to ``key_center(h, c)`` and values of one cluster,
-        float64 ``[cs, D]`` each."""
-        raise NotImplementedError
-
-
-class FloatStore(PackedStore):
-    """f16 or f32 rows; scores are float32 matmuls of the upcast rows."""
-
-    def __init__(self, num_kv_heads: int, cluster_size: int, head_dim: int, dtype: torch.dtype):
-        super().__init__(num_kv_heads, cluster_size, head_dim)
-        self.dtype = dtype
-        self.name = {torch.float16: "f16", torch.float32: "f32"}[dtype]
-        self._alloc()
-
-    def _fields(self):
-        return ("k", "v")
-
-    def _empty(self, name, clusters):
-        return torch.zeros(self.hkv, clusters, self.cs, self.d, dtype=self.dtype)
-
-    def write(self, c0, keys, values, centers=None):
-        C = keys.shape[1]
-        self.ensure(c0 + C)
-        self.k[:, c0:c0 + C] = keys.to(self.dtype)  # the keys themselves: rounding is relative here
-        self.v[:, c0:c0 + C] = values.to(self.dtype)
-
-    def scores(self, qprep, idx, h0=0):
-        kr = self._gather(self.k, idx, h0).float()  # [h, R, D]
-        return torch.bmm(qprep, kr.transpose(1, 2))  # [h, g, R]
-
-    def values(self, idx, h0=0):
-        return self._gather(self.v, idx, h0).float()  # [h, R, D]
-
-    def cluster_rows(self, h, c):
-        return self.k[h, c].double(), self.v[h, c].double()
 
 
 class Q8Store(PackedStore):

@@ -11,7 +11,8 @@ import math
 
 import torch
 
-from .kernel import Selection, walk_limit
+from .experimental.tree_walk import walk_limit
+from .kernel import Selection
 
 
 def _estimate(q: torch.Tensor, summ: torch.Tensor, resid: torch.Tensor, count: int, radius: float,

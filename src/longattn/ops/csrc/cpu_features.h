@@ -27,19 +27,18 @@ inline bool cpu_avx512() {
   return has;
 }
 
-// SCSA's opened-row phase and the int4 GEMV: the AVX-512 forms where the CPU has them. They
-// pay on both kinds of AVX-512 host measured (an Intel Xeon, sessions 9-10; an AMD EPYC Zen 4,
-// session 20: int4 GEMV 1.14-1.31x on Qwen2.5's shapes, SCSA's 32K call 0.81 -> 0.76 ms).
+// SCSA's opened-row phase and the int4 GEMV: the AVX-512 forms where the CPU has them, since
+// they pay on Intel and AMD (Zen 4) AVX-512 hosts alike.
 inline bool use_avx512() {
   const int w = avx512_mode.load(std::memory_order_relaxed);
   return w < 0 ? cpu_avx512() : w == 1;
 }
 
 // The dense fused decode attention: its AVX-512 loops hold two key rows per 512-bit register
-// (an insert per pair) and pay where 512-bit operations run at full width (the Intel Xeon of
-// session 10: 0.97-1.38x the AVX2 loops). Zen 4 splits them into two 256-bit halves, and there
-// they lost (session 20: 1.24-1.37x slower at 64-dim heads, equal at 256), so automatic mode
-// keeps the AVX2 loops on AMD CPUs. Forcing a form (the `avx512` op) applies here too.
+// (an insert per pair) and pay only where 512-bit operations run at full width. Zen 4 splits
+// them into two 256-bit halves, where the extra inserts make them slower than the AVX2 loops,
+// so automatic mode keeps the AVX2 loops on AMD CPUs. Forcing a form (the `avx512` op) applies
+// here too.
 inline bool use_avx512_dense_attention() {
   const int w = avx512_mode.load(std::memory_order_relaxed);
   if (w >= 0) return w == 1;

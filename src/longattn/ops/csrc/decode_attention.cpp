@@ -14,20 +14,19 @@
 //   -> [B, H, 1, D] = softmax over (allowed slots + own key) of q.k * scale, times V.
 //
 // Why it exists: the compiled step's matmul form reads each buffer through two batched
-// matmuls with a separate mask/softmax kernel between them; with G query heads per KV head as
-// the matmul's M (1-7 rows) the BLAS call ran at 3-6 GB/s here, 15-25% of a window step on
-// Gemma 3 and Qwen. This reads every allowed K and V row once, all G heads per row, decides the
+// matmuls with a separate mask/softmax kernel between them, and with G query heads per KV head
+// as the matmul's M (a handful of rows) the BLAS call reads far below memory bandwidth. This
+// reads every allowed K and V row once, all G heads per row, decides the
 // mask from positions inline and skips masked slots entirely. Work is split into
 // (stream, KV head, slot chunk) items across threads (flash-decoding's split over the
 // sequence, so one KV head still uses every core); each item keeps its own running max,
 // normaliser and numerator, merged exactly at the end with the own key.
 //
 // Where the CPU has AVX-512 (longattn::use_avx512_dense_attention: not on AMD Zen 4, where the
-// wide loops lost, see cpu_features.h) and D % 16 == 0, the score and numerator
+// wide loops are slower, see cpu_features.h) and D % 16 == 0, the score and numerator
 // loops take a wide form with the same bits (below). The AVX2 loops re-load every key and value
-// row once per query head and read at about half the session-10 host's rate (8.9 of 17.9 GB/s
-// from DRAM, 16 of 42 from L3, one 32K Qwen layer); the wide loops cut those loads and gain
-// 5-25%, still about half: on that 2-vCPU (one core) host the loops, not memory, bound a call.
+// row once per query head, so on a host with few cores the loops, not memory, bound a call; the
+// wide loops cut those loads.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>

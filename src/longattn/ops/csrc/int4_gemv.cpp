@@ -15,10 +15,9 @@
 // activations into int16 pairs, at most 2*15*127; vpmaddwd into int32) and the second is
 // computed once per call. So the result is x_eff . W_eff in float32, with x_eff = xq * dx
 // (models/weights.py, int4_matmul, evaluates the same thing in PyTorch).
-// Why integer dots: widening each 4-bit code to float32 (the int8 kernel's way) ran 1.9x
-// slower than the int8 kernel on this CPU (bound by the conversions, not by memory), while
-// the integer form ran 1.6-2x the int8 kernel's weight rate in a one-thread loop, and 1.0-1.8x
-// its speed on model shapes with two threads (small matrices gain least: per-call overheads).
+// Why integer dots: widening each 4-bit code to float32 (the int8 kernel's way) is bound by the
+// conversions rather than by memory and loses to the int8 kernel, while integer dots keep the
+// smaller weight reads an advantage (least on small matrices, where per-call overheads weigh).
 // Where the CPU has AVX-512 VNNI, row_dot_512 (below) does the same integer dots four groups at
 // a time; cpu_features.h picks the form once per process.
 #include <ATen/core/Tensor.h>
@@ -91,7 +90,7 @@ inline __m256 group_dots(const uint8_t* codes, const int8_t* xq, int64_t j) {
 // + sum_g m[g] * xs[g]. d, m: the row's float16 steps and offsets; dx, xs [G]: the activation
 // row's block steps and dx * sum(xq). Eight groups at a time: their eight scales are built in
 // one vector (F16C conversion, one multiply) and each is broadcast to its group's lanes by a
-// permute, so no per-row conversion pass is needed (that pass cost as much as the dots at K=576).
+// permute, so no per-row conversion pass is needed (on short rows it would rival the dots).
 inline float row_dot(const int8_t* xq, const uint8_t* codes, const uint16_t* d, const uint16_t* m,
                      const float* dx, const float* xs, int64_t G) {
   auto group = [&](int64_t j) { return group_dots(codes, xq, j); };
@@ -125,8 +124,8 @@ inline float row_dot(const int8_t* xq, const uint8_t* codes, const uint16_t* d, 
 // meets its half of the activations in one vpdpbusd (unsigned codes times signed int8 into
 // int32 lanes of four exact products), so a group needs neither the shift-and-broadcast nor the
 // vpmaddubsw + vpmaddwd pair of the AVX2 form: about a third of its instructions per weight,
-// which is what bounds the AVX2 form on short rows (K = 896: ~13 GB/s against ~21 on long
-// ones). xs2: the activation row rearranged by int4_gemv, per four groups 64 bytes of their low
+// which matters because instructions, not memory, bound the AVX2 form on short rows.
+// xs2: the activation row rearranged by int4_gemv, per four groups 64 bytes of their low
 // halves then 64 of their high halves. The integer dot of each group is the same as row_dot's,
 // but it lands in four float lanes instead of eight, so sums differ from the AVX2 form's in the
 // last bits (both are within the bound tests/test_weights.py derives).
@@ -251,8 +250,8 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 // Rows of the weight itself, for prefill-sized products (a float GEMM on float32
 // activations): codes [N, K/2], d, m [N, K/32] -> [N, K] float32, d * u + m per value in float32
 // (one fma; PyTorch's u * d + m rounds twice, so results may differ in the last bit).
-// Several PyTorch ops (unpack, concatenate, scale, shift) ran this at a third of the int8
-// dequantization's speed and made int4 prefill ~20% slower than int8's.
+// One pass here instead of several PyTorch ops (unpack, concatenate, scale, shift), each a sweep
+// over the whole matrix, so int4 prefill is not held back by its dequantization.
 at::Tensor int4_dequantize(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m) {
   const PackedInt4 p("int4_dequantize", codes, d, m, codes.dim() == 2 ? codes.size(1) * 2 : 0);
   const int64_t N = p.N, K = p.K, G = p.G;

@@ -2,14 +2,14 @@
 //
 //   y[m, n] = s[n] * sum_k x[m, k] * q[n, k]      x float32 [M, K], q int8 [N, K], s float32 [N]
 //
-// Why it exists: PyTorch's aten::_weight_int8pack_mm streamed int8 weights at 8-13 GB/s on this
-// 2-core AVX2 machine (bf16 activations), against ~30 GB/s of read bandwidth, and a decode step
-// is almost entirely these products. Each int8 weight is widened to float32 in registers and
-// multiplied into float32 accumulators, so activations are never rounded (the aten kernel
-// rounds them to bf16) and the result is an ordinary float32 dot product times the row scale.
-// Rows are split across threads with at::parallel_for (one contiguous block per thread).
-// (Four rows per pass sharing each activation load measured 1.2x aten, this version 1.5-2.2x.)
-// An int16-activation variant (vpmaddwd) measured no faster: the sweep is bound by memory.
+// Why it exists: PyTorch's aten::_weight_int8pack_mm streams int8 weights well below the CPU's
+// read bandwidth (with bf16 activations), and a decode step is almost entirely these products.
+// Each int8 weight is widened to float32 in registers and multiplied into float32 accumulators,
+// so activations are never rounded (the aten kernel rounds them to bf16) and the result is an
+// ordinary float32 dot product times the row scale. Rows are split across threads with
+// at::parallel_for (one contiguous block per thread). One weight row per pass beats four rows
+// sharing each activation load, and int16 activations (vpmaddwd) gain nothing: the sweep is
+// bound by memory.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -21,9 +21,8 @@
 namespace {
 
 // Software prefetch this many bytes ahead in the weight stream (a thread's rows are contiguous,
-// so this runs into the following rows). Whole-model sweeps of every int8 matrix, alternated
-// 15 times: 5-17% faster than without (Gemma 3 270M 15.8 -> 14.6 ms, Qwen2.5-0.5B 33.6 -> 31.9);
-// 2, 4 and 8 KiB measured alike.
+// so this runs into the following rows): the hardware prefetcher alone lets the stream fall
+// behind. The distance matters little between 2 and 8 KiB.
 constexpr int64_t kPrefetch = 4096;
 
 using longattn::hsum;

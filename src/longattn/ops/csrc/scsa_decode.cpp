@@ -13,10 +13,9 @@
 //   extra_k, extra_v [Hkv, X, D]  float32  optional: those rows' keys and values, copied out of the
 //                                         cache in slot order (ClusterIndex.extra_k/extra_v); None:
 //                                         read from the cache by slot. Same values either way, but
-//                                         at 32K the ~2,000 outliers per head are scattered rows,
-//                                         each a page walk away, which the hardware prefetcher
-//                                         cannot follow (software hints stalled on the same walks):
-//                                         the copies took a synthetic 32K call from 0.83 to 0.66 ms.
+//                                         in the cache the outliers are scattered rows, each a page
+//                                         walk away, which the hardware prefetcher cannot follow
+//                                         (software hints stall on the same walks).
 //   summ       [Hkv, C, 1+r, D]  float32  centroid, then sqrt(lambda) * eigenvector rows
 //   resid      [Hkv, C, D]       float32  residual diagonal variance
 //   log_counts [C]; radius [Hkv, C]; vmean [Hkv, C, D]; counts [C] int64 (members per cluster)
@@ -49,8 +48,9 @@
 // at run time where the CPU has it (cpu_features.h); so do phase A's values loops (the exact
 // rows' and the tails') where head_dim is a multiple of 64.
 //
-// Why it exists: the PyTorch path spends 1.5-3 ms of small ops per layer call (sort, gathers,
-// padding masks, several matmuls), more than the reads it saves below ~32K tokens.
+// Why it exists: the PyTorch path spends most of a layer call in small ops (sort, gathers,
+// padding masks, several matmuls), which on caches of a few tens of thousands of tokens cost
+// more than the reads the selection saves.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -103,8 +103,8 @@ inline bool better(const Ranked& a, const Ranked& b) { return a.est > b.est || (
 // order) to the front of r and returns its length. Quickselect on the boundary: each round
 // partitions the undecided range [lo, hi) around a pivot, whose best-first position is then
 // known, and its suffix decides which side the boundary lies on; expected O(M) against the
-// full sort's O(M log M) (the sort was a third of the call's fixed cost at 32K rows). The sums
-// are in double as in the sorted form; only their order differs.
+// full sort's O(M log M), which is a large part of the call's fixed cost. The sums are in
+// double as in the sorted form; only their order differs.
 int64_t stop_prefix(Ranked* r, int64_t M, float thr) {
   int64_t lo = 0, hi = M;  // [0, lo) opened, [hi, M) not opened
   double after = 0.0;      // sum of w over [hi, M)
@@ -159,10 +159,8 @@ void quantize_row(const float* x, int64_t D, int64_t qb, int16_t* ints, float* s
 // The key scales of block b for a tile's n <= 8 rows, padding rows 0. A full tile with one or
 // two blocks a row (head_dim 64 at the default 32-value blocks: two) loads its scales and
 // shuffles them into place; other full tiles gather them (eight scalar stores and a vector
-// load of them stall on store forwarding, ~a tenth of a probe tile's time). The gather waited
-// on its loads in the critical path of every tile: a quarter of the opened-cluster scorer's
-// samples on Zen 4, the shuffle took a synthetic 32K call from 0.84 to 0.81 ms and 0.82 to
-// 0.79 ms in two runs (tau 0.02, 12 cache copies, 120 alternated rounds). Same values any way.
+// load of them would stall on store forwarding). The shuffle keeps the gather's loads out of
+// the critical path of every tile. Same values any way.
 inline __m256 tile_key_scales(const float* kscale, int64_t n, int64_t nb, int64_t b) {
   if (n == 8 && nb == 1) return _mm256_loadu_ps(kscale);
   if (n == 8 && nb == 2) {
@@ -204,9 +202,9 @@ inline void store_tile_scores(const __m256* acc, int64_t n, float* s, int64_t st
 }
 
 // w[(b * GN + g) * 32 + r] = p[g * stride + r] * vscale[r, b]: the per-head, per-block weights
-// of n <= 32 value rows. Rows run contiguously per head so the products vectorise (a layout
-// with the heads innermost took a quarter of the values phase in scalar multiplies); the
-// products, and so the bits, are the same in any layout.
+// of n <= 32 value rows. Rows run contiguously per head so the products vectorise (with the
+// heads innermost they are scalar multiplies); the products, and so the bits, are the same in
+// any layout.
 template <int GN>
 inline void tile_value_weights(const float* p, int64_t stride, const float* vscale, int64_t n, int64_t nb,
                                float* w) {
@@ -280,9 +278,9 @@ void q8_tile_values(const int8_t* vrows, const float* vscale, int64_t n, const f
 // units[us[b] : us[b + 1]] of block b with us = ustart + g * (nb + 1), where its masked query is
 // non-zero. The skipped products are exact zeros, and a block with none of its units would add
 // (0 * ks) * qs = +0 to a sum that is never -0, so the scores are bit-identical to the full
-// scorer's. The key loads repeat per head (from L1): with the query on 16 of 64 dimensions a
-// head of Qwen2.5 needs ~60% of the runs but the 7 heads of a KV head together ~93%, so per-head
-// lists save dots where a shared list would not. (The tile still comes from memory whole: from
+// scorer's. The key loads repeat per head (from L1): one head's masked query touches only part
+// of the runs, but the heads of a KV head together touch nearly all of them, so per-head lists
+// save dots where a shared list would not. (The tile still comes from memory whole: from
 // DRAM the pass is bound by that read, see probe_clusters.) Writes s[g * 8 + r].
 template <int GN>
 void probe_tile_scores(const int8_t* tile, const float* kscale, int64_t n, const int16_t* q16, const float* qs,
@@ -314,9 +312,8 @@ void probe_tile_scores(const int8_t* tile, const float* kscale, int64_t n, const
 // outputs are bit-identical to the AVX2 forms above (tests compare the two with torch.equal);
 // what changes is the instruction count: one vpdpwssd per query head handles two dimension
 // pairs of eight rows (the AVX2 form needs a vpmaddwd and a vpaddd for one pair), and the
-// values take 16-wide FMAs with the head weight broadcast from memory. On the 2-vCPU host of
-// session 9 this phase is bound by instruction throughput (the second vCPU adds ~1.2x), so
-// fewer instructions are what pays.
+// values take 16-wide FMAs with the head weight broadcast from memory. This phase is bound by
+// instruction throughput, not memory, so fewer instructions are what pays.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
 
@@ -413,12 +410,9 @@ void probe_tile_scores_512(const int8_t* tile, const float* kscale, int64_t n, c
 // tiled_weighted_rows (same contract and bits) for GN <= 4 heads at once, D % 64 == 0: each
 // value row of a 32-row tile is loaded once per 64 columns (four registers) for all GN heads,
 // where tiled_weighted_rows re-reads the tile per head; per head and column the FMA chain over
-// the tile starts at zero and is then added to o, as there. Synthetic 32K call (7 heads in
-// passes of 4 + 3, 12 cache copies, 2 threads, 100 alternated rounds, exact rows' and tails'
-// values in this form against tiled_weighted_rows): 1.11-1.12x at tau 1.0 (phase A alone),
-// 1.04-1.05x at tau 0.02 in two runs. Passes of 32 columns for all 7 heads (14 accumulators,
-// exact rows only) were 1-8% faster with the rows in cache but 3-4% slower from DRAM: each pass
-// read half a row.
+// the tile starts at zero and is then added to o, as there. Passes of 64 columns for at most
+// four heads rather than 32 columns for all of them: a 32-column pass reads half a row, which
+// loses once the rows come from DRAM.
 template <int GN>
 void tiled_weighted_rows_512(const float* p, int64_t p_stride, const float* const* rows, int64_t n, int64_t D,
                              float* o, int64_t o_stride) {
@@ -450,8 +444,8 @@ void tiled_weighted_rows_512(const float* p, int64_t p_stride, const float* cons
 // The opened clusters ids[j0:j1] of one KV head, scored for GN query heads with the tile
 // function Tile (q8_tile_scores on int16 queries, or q8_tile_scores_512 on vnni_queries):
 // scores[g * R + off + r] for the r-th member of the run. The AVX-512 tile cannot be inlined
-// into this AVX2-target loop; the call per 8 rows measured no slower than a loop inlined in
-// the AVX-512 region (0.98 vs 1.04 ms for a 32K-row call, within noise).
+// into this AVX2-target loop; a call per 8 rows costs no more than a loop inlined in the
+// AVX-512 region would.
 template <int GN, typename Q, void (*Tile)(const int8_t*, const float*, int64_t, const Q*, const float*, int64_t,
                                            int64_t, float*, int64_t)>
 void item_scores(const int64_t* ids, int64_t j0, int64_t j1, const int64_t* cnt, const int8_t* kt, const float* ks,
@@ -518,10 +512,9 @@ void heads_weighted_rows(bool wide, const float* p, int64_t p_stride, int64_t G,
 // is non-zero (probe_tile_scores), and each tile's scores go straight to the heads' best lists.
 // The rows are met in ascending order, so once a head's list is full a row can only enter with a
 // strictly higher score than the list's last; one vector compare per head and tile finds the
-// (rare) rows that do. An earlier form stored all G x rows scores (~0.9 MB at 32K), ranked them
-// afterwards and scored every dimension: twice the time for the same bits with the keys in L3
-// (synthetic 32K call, 0.99 -> ~0.5 ms). From DRAM, as in a model step, the pass is bound by
-// reading every key tile: ~0.6 ms at 16 dimensions, ~0.7 ms at all 64 (12 copies of that call).
+// (rare) rows that do, so no G x rows score table is stored and ranked afterwards. From DRAM,
+// as in a model step, the pass is bound by reading every key tile, so the number of probed
+// dimensions matters little there.
 void probe_clusters(const float* qh, int64_t G, int64_t D, int64_t qb, int64_t dims, int64_t keys, int64_t M,
                     const int64_t* cnt, int64_t cs, const int8_t* kt, const float* ks, int64_t tile_bytes,
                     const float* qc, bool wide, bool* op) {
@@ -595,10 +588,9 @@ void probe_clusters(const float* qh, int64_t G, int64_t D, int64_t qb, int64_t d
 }
 
 // Grows a per-thread scratch buffer to at least n elements (never shrinks; contents are not
-// kept meaningful between calls, every user writes before it reads). The call's buffers used to
-// be fresh std::vectors, ~15 per KV head and call: in a model step, whose heap Python and the
-// compiled graph keep busy, their malloc and zero fill took 4-5% of the 32K step (alternated
-// in one process, two runs: 33.35 -> 32.2 ms and 30.36 -> 28.96 ms).
+// kept meaningful between calls, every user writes before it reads). Kept rather than fresh
+// std::vectors per KV head and call because in a model step, whose heap Python and the
+// compiled graph keep busy, their malloc and zero fill are a visible part of the step.
 template <typename T>
 inline void fit(std::vector<T>& v, int64_t n) {
   if (static_cast<int64_t>(v.size()) < n) v.resize(n);
@@ -606,7 +598,7 @@ inline void fit(std::vector<T>& v, int64_t n) {
 
 // One row as the header describes, or a single-row decode call's tensors as the model holds
 // them, q [1, H, 1, D] and k, v [1, Hkv, N, D] (out then [1, H, 1, D]): taking those views here
-// rather than in Python saved the decode loop ~10 us of a layer call (SCSALayer._hot_call).
+// rather than in Python keeps them out of the decode loop's Python (SCSALayer._hot_call).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, int64_t s0, int64_t s1,
     const at::Tensor& extra, const at::Tensor& summ, const at::Tensor& resid, const at::Tensor& log_counts,
@@ -715,8 +707,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
         qn[g] = std::sqrt(n2);
       }
       // priorities: a + log m and L = a + log m + min(beta^2/2 q'Sigma q, beta |q| r), eight
-      // clusters at a time (dot8: eight independent chains, one horizontal sum per eight dots;
-      // one dot at a time spent ~30 ns per 64-float dot on its latency chain and reduction)
+      // clusters at a time (dot8: eight independent chains, one horizontal sum per eight dots,
+      // where one dot at a time waits on its latency chain and reduction)
       for (int64_t c0 = 0; c0 < M; c0 += 8) {
         const int64_t nc = std::min<int64_t>(8, M - c0);
         for (int64_t j = 0; j < 8; ++j) {
@@ -757,7 +749,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
       }
       // Every query head reads each block of rows while it is in L1 (8 key rows, then 32 value
       // rows, for all G heads): with the clusters' outliers E reaches thousands of scattered
-      // rows, and one pass per head over all of them went to memory G times. Per head the
+      // rows, and one pass per head over all of them would go to memory G times. Per head the
       // arithmetic and its order are those of one pass per head.
       int64_t e8 = 0;
       for (; e8 + 8 <= E; e8 += 8)
@@ -834,7 +826,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
   // Phase B: opened clusters, ascending per head, cut into one run of about equal rows per
   // thread (a run may cover the end of one head and the start of the next: an item per head
   // piece). The KV heads of a layer open very different amounts, so an equal split per head
-  // left one of two threads waiting for a fifth to a third of the call.
+  // would leave threads waiting on the one with the most rows.
   std::vector<std::vector<int64_t>> lists(Hkv);
   int64_t total = 0;
   for (int64_t h = 0; h < Hkv; ++h)
@@ -877,8 +869,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
   }
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     // the scores of a run (G x rows, hundreds of KB at 32K) outlive the call, one buffer per
-    // thread, grown as needed: the only large allocation of a call (a 32K step spent ~4% of its
-    // samples in malloc before, not all of it here)
+    // thread, grown as needed, so the call's only large allocation is not paid on every call
     static thread_local std::vector<float> scores;
     thread_local std::vector<float> w;  // see fit
     fit(w, D / qb * 32 * 8);

@@ -1,0 +1,88 @@
+"""Soak: one conversation streamed through `longattn serve` to ``--tokens`` tokens with a window
+and sinks on every layer; the server's RSS and KV blocks in use are sampled every ``--every``
+tokens and must stay flat once the window is full (the run fails on any error).
+
+    python benchmarks/serve_soak.py --model smollm2-135m --window 1024 --sinks 4 --tokens 1000000
+    python benchmarks/serve_soak.py --tokens 300 --window 32 --every 50     # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from serve_load import RESULTS, ROOT, free_port, scrape, start, stop, wait_up  # noqa: E402
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--sinks", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=1_000_000)
+    ap.add_argument("--every", type=int, default=1000, help="tokens between samples")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(RESULTS / "serve_soak.json"))
+    args = ap.parse_args()
+
+    import os
+
+    import openai
+    port = free_port()
+    cmd = [sys.executable, "-m", "longattn.cli.main", "serve", "--model", args.model, "--port", str(port),
+           "--threads", str(args.threads), "--window", str(args.window), "--sinks", str(args.sinks),
+           "--served-name", "soak"]
+    proc = start(cmd, dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+    base = f"http://127.0.0.1:{port}"
+    samples, error, n = [], None, 0
+    try:
+        wait_up(base + "/health", proc)
+        c = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=None)
+        t0 = time.perf_counter()
+        try:
+            stream = c.completions.create(model="soak", prompt="Once upon a time", max_tokens=args.tokens,
+                                          temperature=0.8, seed=0, stream=True, extra_body={"ignore_eos": True})
+            for ch in stream:
+                if ch.usage is not None:
+                    n = ch.usage.completion_tokens
+                if ch.choices and ch.choices[0].text:
+                    n += 1  # counts chunks; a chunk carries one token or more, so at least n were generated
+                    if n // args.every > len(samples):
+                        m = scrape(base + "/metrics")
+                        samples.append({"tokens": n, "seconds": time.perf_counter() - t0,
+                                        "rss_mib": rss_mib(proc.pid),
+                                        "kv_blocks_used": m.get("longattn_kv_blocks_used")})
+                        print(f"{n:9d} tokens  rss {samples[-1]['rss_mib']:8.1f} MiB  "
+                              f"kv blocks {samples[-1]['kv_blocks_used']}", flush=True)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+    finally:
+        stop(proc)
+    kv = [s["kv_blocks_used"] for s in samples]
+    doc = {"model": args.model, "window": args.window, "sinks": args.sinks, "tokens": n, "error": error,
+           "samples": samples,
+           # flat: the second half of the run never holds more blocks than the first half did
+           "kv_blocks_flat": len(kv) >= 2 and max(kv[len(kv) // 2:]) <= max(kv[:len(kv) // 2])}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(out)
+    print(f"wrote {out}" + (f"; error: {error}" if error else ""))
+    return 1 if error else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

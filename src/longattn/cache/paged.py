@@ -1,0 +1,239 @@
+"""Paged KV cache: fixed-size blocks from one pool, one block table per layer per stream.
+
+Storage is a single ``BlockPool`` of ``num_blocks`` blocks of ``block_size`` token slots
+(``[num_blocks * block_size, Hkv, D]`` for K and for V), shared by every layer of every
+stream. A stream (``PagedStream``) owns, per layer, a table from logical block ``j``
+(positions ``j*bs .. j*bs+bs-1``) to a physical block of the pool.
+
+A windowed layer (window W, sinks S) frees a block as soon as every position in it has left
+the window of the next query ``q`` (the block ends before ``q - W + 1``), except blocks that
+hold a sink position (``j*bs < S``): a stream's memory on such a layer stays at most
+``ceil(S/bs) + ceil((W - 1 + T)/bs) + 1`` blocks for chunks of T tokens, however long it
+runs. Global layers keep every block.
+
+``PagedLayerCache.update`` returns the same view every cache returns,
+``(k_all [B, Hkv, N, D], v_all, k_pos [B, N])``: the held blocks of each stream in position
+order (a gather from the pool), slots past a stream's end or padding a shorter row at -1.
+While nothing has been freed the view is laid out exactly like a growing cache's (slot i =
+position i), so attention over it is the growing cache's arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from ..errors import LongattnError, check_int
+from .base import KVCache, LayerCache
+
+
+class PoolExhausted(LongattnError):
+    """The pool has no free block (admission control should have prevented it)."""
+
+
+class BlockPool:
+    """``num_blocks`` blocks of ``block_size`` slots of ``[Hkv, D]`` keys and values.
+
+    Blocks are handed out and taken back by id; a block's slots are
+    ``id * block_size .. id * block_size + block_size - 1`` of ``k`` / ``v``.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype=torch.float32):
+        check_int("KV pool blocks", num_blocks, minimum=1)
+        check_int("KV block size", block_size, minimum=1)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.k = torch.zeros(num_blocks * block_size, kv_heads, head_dim, dtype=dtype)  # [N*bs, Hkv, D]
+        self.v = torch.zeros_like(self.k)
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the lowest id is handed out first
+        self.dtype = dtype
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of K and V one block holds."""
+        return 2 * self.block_size * self.k.shape[1] * self.k.shape[2] * self.k.element_size()
+
+    def alloc(self) -> int:
+        if not self._free:
+            raise PoolExhausted(f"the KV pool's {self.num_blocks} blocks are all in use")
+        return self._free.pop()
+
+    def release(self, block: int) -> None:
+        self._free.append(block)
+
+
+@dataclass
+class PagedStream:
+    """One stream's pages: per layer, logical block -> physical block (in position order).
+
+    ``windows[l]`` / ``sinks[l]``: the layer's window (None = global) and sinks, which decide
+    what it may free. ``next_pos``: positions ``0 .. next_pos - 1`` have been stored.
+    """
+
+    windows: list
+    sinks: list
+    tables: list = field(default_factory=list)
+    next_pos: int = 0
+
+    def __post_init__(self):
+        if not self.tables:
+            self.tables = [dict() for _ in self.windows]
+
+    @classmethod
+    def for_policy(cls, policy) -> "PagedStream":
+        """A stream whose layers free blocks by ``policy``'s windows and sinks."""
+        for lp in policy.layers:
+            if lp.kind != "window":
+                raise LongattnError(f"the paged cache serves window/dense layers only, not '{lp.kind}'")
+        return cls([lp.window if lp.window else None for lp in policy.layers],
+                   [lp.sinks if lp.window else 0 for lp in policy.layers])
+
+    def blocks(self) -> int:
+        """Blocks held over all layers."""
+        return sum(len(t) for t in self.tables)
+
+    def release(self, pool: BlockPool) -> None:
+        """Give every block back to the pool (the stream is finished or abandoned)."""
+        for t in self.tables:
+            for b in t.values():
+                pool.release(b)
+            t.clear()
+
+    def truncate(self, n: int, pool: BlockPool) -> bool:
+        """Forget positions ``n ..`` so the stream can continue from position ``n``.
+
+        Possible only when every layer still holds what a query at ``n`` reads: its sinks
+        and positions ``max(S, n - W + 1) .. n - 1`` on windowed layers, ``0 .. n - 1`` on
+        global ones. Returns False (and changes nothing) otherwise.
+        """
+        bs = pool.block_size
+        if n > self.next_pos:
+            return False
+        for t, w, s in zip(self.tables, self.windows, self.sinks):
+            lo = 0 if w is None else max(0, n - w + 1)
+            need = set(range(0, -(-min(s, n) // bs))) | set(range(lo // bs, -(-n // bs)))
+            if not need.issubset(t.keys()):
+                return False
+        for t in self.tables:
+            for j in [j for j in t if j * bs >= n]:
+                pool.release(t.pop(j))
+        self.next_pos = n
+        return True
+
+
+def blocks_bound(window: Optional[int], sinks: int, tokens: int, chunk: int, block_size: int) -> int:
+    """Most blocks one layer of a stream holds at once while storing ``tokens`` positions
+    in chunks of at most ``chunk`` (a window frees what leaves it; global layers keep all)."""
+    total = -(-tokens // block_size)
+    if window is None:
+        return total
+    held = -(-min(sinks, tokens) // block_size) + -(-(window - 1 + chunk) // block_size) + 1
+    return min(total, held)
+
+
+class PagedLayerCache(LayerCache):
+    """Layer ``layer`` of the streams ``streams`` (one batch row each), stored in ``pool``."""
+
+    def __init__(self, pool: BlockPool, layer: int, streams: list):
+        self.pool, self.layer, self.streams = pool, layer, streams
+
+    def update(self, k, v, pos):
+        """Store ``k, v [B, Hkv, T, D]`` at positions ``pos [B, T]`` (-1 = padding), return the
+        held blocks as ``(k_all [B, Hkv, N, D], v_all, k_pos [B, N])``, then free what the next
+        query cannot read. A row's positions must continue its stream (``next_pos`` on)."""
+        pool, bs = self.pool, self.pool.block_size
+        b_idx, t_idx = (pos >= 0).nonzero(as_tuple=True)  # [M] each
+        p = pos[b_idx, t_idx]
+        slots = torch.empty_like(p)
+        ends = []
+        for b, st in enumerate(self.streams):
+            table = st.tables[self.layer]
+            sel = (b_idx == b).nonzero(as_tuple=True)[0]
+            if sel.numel():
+                lo, hi = int(p[sel[0]]), int(p[sel[-1]])
+                for j in range(lo // bs, hi // bs + 1):
+                    if j not in table:
+                        table[j] = pool.alloc()
+                phys = torch.tensor([table[j] for j in range(lo // bs, hi // bs + 1)])
+                q = p[sel]
+                slots[sel] = phys[q // bs - lo // bs] * bs + q % bs
+            ends.append(max(st.next_pos, int(p[sel[-1]]) + 1 if sel.numel() else 0))
+        pool.k[slots] = k.permute(0, 2, 1, 3)[b_idx, t_idx].to(pool.dtype)  # [M, Hkv, D]
+        pool.v[slots] = v.permute(0, 2, 1, 3)[b_idx, t_idx].to(pool.dtype)
+        k_all, v_all, k_pos = self._view(ends)
+        for st, end in zip(self.streams, ends):
+            self._free_out_of_window(st, end)
+        return k_all, v_all, k_pos
+
+    def _view(self, ends: list):
+        """Gather each stream's held blocks, in position order, padded to the longest row."""
+        bs = self.pool.block_size
+        rows = [list(st.tables[self.layer].items()) for st in self.streams]
+        # a row ends at its stream's end, not its last block's: the slots past it hold
+        # nothing, and a view of exactly the stored positions keeps the growing cache's shapes
+        lens = [len(r) * bs - ((r[-1][0] + 1) * bs - end) if r else 0 for r, end in zip(rows, ends)]
+        n = max(lens)
+        slot = torch.zeros(len(rows), n, dtype=torch.int64)
+        kpos = torch.full((len(rows), n), -1, dtype=torch.int64)
+        off = torch.arange(bs)
+        for b, (r, end) in enumerate(zip(rows, ends)):
+            if not r:
+                continue
+            logical = torch.tensor([j for j, _ in r])[:, None]  # [nb, 1]
+            phys = torch.tensor([pb for _, pb in r])[:, None]
+            m = lens[b]
+            slot[b, :m] = (phys * bs + off).reshape(-1)[:m]
+            kpos[b, :m] = (logical * bs + off).reshape(-1)[:m]
+        flat = slot.reshape(-1)
+        H, D = self.pool.k.shape[1:]
+        # [B*N, Hkv, D] -> [B, Hkv, N, D]
+        k_all = self.pool.k[flat].view(len(rows), n, H, D).transpose(1, 2).contiguous()
+        v_all = self.pool.v[flat].view(len(rows), n, H, D).transpose(1, 2).contiguous()
+        return k_all, v_all, kpos
+
+    def _free_out_of_window(self, st: PagedStream, end: int) -> None:
+        w, s = st.windows[self.layer], st.sinks[self.layer]
+        if w is None:
+            return
+        bs, lo = self.pool.block_size, end - w + 1  # first position the next query reads
+        table = st.tables[self.layer]
+        for j in [j for j in table if (j + 1) * bs <= lo and j * bs >= s]:
+            self.pool.release(table.pop(j))
+
+    def nbytes(self) -> int:
+        return sum(len(st.tables[self.layer]) for st in self.streams) * self.pool.block_bytes
+
+    def positions(self) -> torch.Tensor:
+        return self._view([st.next_pos for st in self.streams])[2]
+
+
+class PagedKVCache(KVCache):
+    """The KVCache the model talks to for one forward over ``streams`` (one row each).
+
+    Cheap to build: a scheduler makes one per step for whichever streams run in it, so
+    streams join and leave the batch between steps while their blocks stay in the pool.
+    """
+
+    def __init__(self, cfg, pool: BlockPool, streams: list):
+        if not streams:
+            raise LongattnError("a paged cache needs at least one stream")
+        self.pool, self.streams = pool, list(streams)
+        super().__init__(cfg, len(self.streams),
+                         layers=[PagedLayerCache(pool, i, self.streams) for i in range(cfg.num_layers)],
+                         dtype=pool.dtype)
+        self.next_pos = torch.tensor([st.next_pos for st in self.streams], dtype=torch.int64)
+
+    def advance(self, pos: torch.Tensor) -> None:
+        super().advance(pos)
+        for st, n in zip(self.streams, self.next_pos.tolist()):
+            st.next_pos = n

@@ -1,0 +1,242 @@
+"""The one place that picks an attention kernel, and the kernels' Python forms.
+
+Every attention site calls one of two functions:
+
+* ``attend``: queries ``[B, H, Tq, D]`` over a cache's keys ``[B, Hkv, S, D]`` whose slots carry
+  absolute positions (the eager paths: full forward, chunked prefill, step decode, streams);
+* ``attend_buffer_and_new``: one decode query over a read-only buffer plus the step's own new
+  key, in one softmax (the fixed-shape static step, which writes its keys after the step).
+
+Both apply the same rule (``ops.masks.allowed_mask``: window W counts the query itself, sinks
+stay readable) and choose among the kernels below from shapes, dtypes and positions only:
+
+    fused    longattn's C++ decode kernel (csrc/decode_attention.cpp): one query per stream,
+             float32, no soft-cap; the mask is decided from positions inside the kernel
+    banded   O(T*W) prefill (ops/banded.py) for long windowed chunks over keys 0..T-1
+    causal   SDPA's fused causal kernel when the mask is exactly causal
+    masked   SDPA (or grouped matmuls for few queries) under an explicit boolean mask
+    matmul   two batched matmuls and a softmax over the static buffer
+    flash    ATen's blocked CPU flash kernel over the static buffer, own key merged after
+
+The reference path is one switch away: ``fused=False`` (or ``kernel="matmul"`` for the static
+step) per call site, or ``LONGATTN_NATIVE=off`` for the whole process (ops/native.py).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import native
+from .dense import causal_attention, masked_attention
+from .masks import allowed_mask
+
+# Prefill chunks at least this long take the banded path on windowed layers; below it the
+# fused causal kernel wins (benchmarks/prefill_attention.py measures the crossover).
+BANDED_MIN_TOKENS = 2048
+
+STATIC_KERNELS = ("fused", "matmul", "flash")
+
+
+def _same_positions(kept: torch.Tensor, pos: torch.Tensor) -> bool:
+    return (kept.shape == pos.shape and kept.dtype == pos.dtype and kept.device == pos.device
+            and bool(torch.equal(kept, pos)))
+
+
+class MaskMemo:
+    """The last boolean mask built per (window, sinks), reused while the positions match.
+
+    Within one forward every layer gets the same query positions, and layers whose caches
+    are alike hold the same key positions, so layers sharing a window and sinks share one
+    ``allowed_mask``. A hit needs ``q_pos`` and ``k_pos`` equal in value to private copies
+    taken when the mask was built. Value, not identity: a cache writes its position
+    tensor in place and Python reuses the ids of freed tensors, so an identity key could
+    hand back a mask built for other positions; the copies cannot change or be freed.
+    Equal positions give the same mask, so a hit is bit-identical to building it again.
+    One entry per (window, sinks): the next forward's positions replace it, which bounds
+    memory to one mask per distinct setting (``clear()`` drops them).
+    """
+
+    def __init__(self):
+        self._entries: dict = {}  # (window, sinks) -> (q_pos copy, k_pos copy, mask)
+        self.hits = 0
+        self.misses = 0
+
+    def mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int],
+             sinks: int) -> torch.Tensor:
+        """``allowed_mask(q_pos, k_pos, window, sinks)``, built once per distinct positions."""
+        entry = self._entries.get((window, sinks))
+        if entry is not None and _same_positions(entry[0], q_pos) and _same_positions(entry[1], k_pos):
+            self.hits += 1
+            return entry[2]
+        self.misses += 1
+        mask = allowed_mask(q_pos, k_pos, window, sinks)
+        self._entries[(window, sinks)] = (q_pos.clone(), k_pos.clone(), mask)
+        return mask
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+def fused_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap) -> bool:
+    """The C++ decode kernel serves one float32 query per stream without soft-capping."""
+    return (q.shape[2] == 1 and softcap is None and q.dtype == k.dtype == v.dtype == torch.float32
+            and native.available())
+
+
+def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor,
+           window: Optional[int], sinks: int, scale: float, softcap: Optional[float] = None, *,
+           fused: bool = True, banded_min_tokens: Optional[int] = BANDED_MIN_TOKENS,
+           masks: Optional["MaskMemo"] = None, sink_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Attention of queries over cached keys by absolute positions.
+
+    Args:
+        q: ``[B, H, Tq, D]``; q_pos: ``[B, Tq]`` int64 (negative = padding query, outputs zeros).
+        k, v: ``[B, Hkv, S, D]``; k_pos: ``[B, S]`` (negative = empty slot, never read).
+        window: keys per query including itself (None = full causal); sinks: first positions
+            always readable; scale: score multiplier; softcap: Gemma-style score soft-capping.
+        fused: allow the C++ decode kernel (False keeps the matmul form, its reference).
+        banded_min_tokens: chunks this long or longer over keys 0..T-1 take the banded path on
+            a windowed layer (None: never).
+        masks: a MaskMemo shared by the layers of one forward (masks built once per setting).
+        sink_logits: ``[H]`` learned per-head sink logits (gpt-oss), one more term in each
+            softmax denominator; they take the masked path, since the fused decode kernel, the
+            banded prefill and the causal kernel have no term for them.
+    Returns:
+        ``[B, H, Tq, D]``.
+    """
+    if sink_logits is not None:
+        mask = masks.mask(q_pos, k_pos, window, sinks) if masks is not None else \
+            allowed_mask(q_pos, k_pos, window, sinks)
+        return masked_attention(q, k, v, mask, scale, softcap, sink_logits)
+    if fused and fused_applies(q, k, v, softcap):
+        none = k[:, :, :0]  # no separate own key: the cache already holds it
+        return torch.ops.longattn_cpu.decode_attention(q, k, v, k_pos, q_pos, none, none,
+                                                       window or 0, sinks, float(scale))
+    if _banded_applies(q, q_pos, k_pos, window, softcap, banded_min_tokens):
+        from .banded import banded_attention
+        return banded_attention(q, k, v, window, sinks, scale)
+    if _plain_causal(q, q_pos, k_pos, window, softcap):
+        return causal_attention(q, k, v, scale)
+    mask = masks.mask(q_pos, k_pos, window, sinks) if masks is not None else \
+        allowed_mask(q_pos, k_pos, window, sinks)
+    return masked_attention(q, k, v, mask, scale, softcap)
+
+
+def _plain_causal(q, q_pos, k_pos, window, softcap) -> bool:
+    """A one-shot prefill whose mask is exactly causal (no window within reach, keys
+    0..T-1) can use the fused causal kernel, which skips the masked half of the work.
+    An unset window and any window >= T take this same path (bit-identical)."""
+    Tq, Tk = q.shape[2], k_pos.shape[1]
+    if softcap is not None or Tq != Tk or Tq <= 16 or q.shape[0] != 1:
+        return False
+    if window is not None and window < Tk:
+        return False
+    return _keys_from_zero(q_pos, k_pos)
+
+
+def _banded_applies(q, q_pos, k_pos, window, softcap, banded_min_tokens) -> bool:
+    """Banded pays off for long windowed prefills over keys laid out as 0..Tk-1."""
+    Tq, Tk = q.shape[2], k_pos.shape[1]
+    if (banded_min_tokens is None or window is None or softcap is not None
+            or q.shape[0] != 1 or Tq < banded_min_tokens or window >= Tk):
+        return False
+    return _keys_from_zero(q_pos, k_pos)
+
+
+def _keys_from_zero(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
+    """True when stream 0's keys are exactly positions 0..Tk-1 and its queries are the
+    last Tq of them (a one-shot prefill, or a chunk over a cache that holds every earlier
+    position in order): the layout the causal and banded kernels assume."""
+    Tq, Tk = q_pos.shape[1], k_pos.shape[1]
+    ar = torch.arange(Tk, dtype=k_pos.dtype)
+    return bool(torch.equal(k_pos[0], ar) and torch.equal(q_pos[0], ar[Tk - Tq:]))
+
+
+def static_kernel(kernel: str) -> str:
+    """The static step's buffer read, resolved once per decoder (never while tracing): "fused"
+    falls back to "matmul" where the native kernels are not built."""
+    if kernel not in STATIC_KERNELS:
+        from ..errors import LongattnError
+        raise LongattnError(f"attention must be one of {', '.join(STATIC_KERNELS)}, got {kernel!r}")
+    return "matmul" if kernel == "fused" and not native.available() else kernel
+
+
+def attend_buffer_and_new(q, q_pos, k, v, k_pos, k_new, v_new, window: Optional[int], sinks: int,
+                          scale: float, softcap: Optional[float] = None, kernel: str = "fused"):
+    """One decode query per stream over a read-only buffer plus the step's own key.
+
+    Args:
+        q: ``[B, H, 1, D]``; q_pos: ``[B, 1]`` (negative = padding stream, outputs zeros).
+        k, v: ``[B, Hkv, S, D]`` buffers; k_pos: ``[B, S]`` slot positions (-1 = empty).
+        k_new, v_new: ``[B, Hkv, 1, D]``; window, sinks, scale, softcap: as ``attend``.
+        kernel: a ``static_kernel`` result ("fused" | "matmul" | "flash"); soft-capped or
+            non-float32 layers read by matmul whatever is asked.
+    Returns:
+        ``[B, H, 1, D]``, equal to attention over the buffer with the new key written into it.
+    """
+    if kernel == "fused" and softcap is None and q.dtype == k.dtype == torch.float32:
+        return torch.ops.longattn_cpu.decode_attention(
+            q, k, v, k_pos, q_pos, k_new.to(k.dtype), v_new.to(v.dtype), window or 0, sinks, float(scale))
+    mask = allowed_mask(q_pos, k_pos, window, sinks)  # [B, 1, 1, S]
+    if kernel == "flash" and softcap is None:
+        return attend_buffer_and_self_flash(q, k, v, mask, k_new, v_new, q_pos >= 0, scale)
+    return attend_buffer_and_self(q, k, v, mask, k_new, v_new, q_pos >= 0, scale, softcap)
+
+
+def attend_buffer_and_self(q, k, v, mask, k_new, v_new, self_ok, scale, softcap=None):
+    """One decode query over a read-only buffer plus its own new key, in one softmax.
+
+    Args:
+        q: ``[B, H, 1, D]``; k, v: ``[B, Hkv, S, D]`` buffers; mask: ``[B, 1, 1, S]`` bool.
+        k_new, v_new: ``[B, Hkv, 1, D]`` the step's own key and value.
+        self_ok: ``[B, 1]`` bool, False for padding queries (which then output zeros).
+    Returns:
+        ``[B, H, 1, D]``, equal to attention over the buffer with the new key written into it.
+    """
+    B, H, _, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    qg = q.reshape(B, Hkv, H // Hkv, D)
+    s = torch.matmul(qg, k.transpose(-1, -2)) * scale           # [B, Hkv, rep, S]
+    sn = (qg * k_new.to(qg.dtype)).sum(-1, keepdim=True) * scale  # [B, Hkv, rep, 1]
+    if softcap is not None:
+        s, sn = softcap * torch.tanh(s / softcap), softcap * torch.tanh(sn / softcap)
+    s = s.masked_fill(~mask.view(B, 1, 1, S), float("-inf"))
+    sn = sn.masked_fill(~self_ok.view(B, 1, 1, 1), float("-inf"))
+    m = torch.maximum(s.amax(-1, keepdim=True), sn)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows with nothing to read
+    p, pn = torch.exp(s - m), torch.exp(sn - m)
+    den = p.sum(-1, keepdim=True) + pn
+    num = torch.matmul(p, v) + pn * v_new.to(p.dtype)             # [B, Hkv, rep, D]
+    out = torch.where(den > 0, num / den.clamp(min=torch.finfo(den.dtype).tiny), torch.zeros_like(num))
+    return out.reshape(B, H, 1, D)
+
+
+def attend_buffer_and_self_flash(q, k, v, mask, k_new, v_new, self_ok, scale):
+    """``attend_buffer_and_self`` (no softcap) with the buffer read by ATen's CPU flash kernel.
+
+    The g query heads sharing a KV head ride as the flash kernel's query-length axis
+    (``[B, Hkv, g, D]``), so grouped-query attention needs no repeated keys. The kernel returns
+    the buffer part's output and log-sum-exp; the step's own key is merged in closed form:
+    ``out = (e^lse o + e^s v_new) / (e^lse + e^s)``. Same shapes and result as the matmul form,
+    up to summation order; the kernel blocks the buffer and threads over heads.
+    """
+    B, H, _, D = q.shape
+    Hkv = k.shape[1]
+    g = H // Hkv
+    qg = q.reshape(B, Hkv, g, D)
+    bias = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, float("-inf"))  # [B, 1, 1, S]
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qg, k, v, 0.0, False, attn_mask=bias, scale=scale)  # [B, Hkv, g, D], [B, Hkv, g]
+    lse = lse.float().unsqueeze(-1)
+    sn = ((qg * k_new.to(qg.dtype)).sum(-1, keepdim=True) * scale).float()  # [B, Hkv, g, 1]
+    sn = sn.masked_fill(~self_ok.view(B, 1, 1, 1), float("-inf"))
+    m = torch.maximum(lse, sn)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows with nothing to read
+    wb, wn = torch.exp(lse - m), torch.exp(sn - m)  # wb = 0 where the buffer part read nothing
+    o = torch.where(wb > 0, o.float(), torch.zeros_like(o, dtype=torch.float32))
+    den = wb + wn
+    num = wb * o + wn * v_new.float()
+    out = torch.where(den > 0, num / den.clamp(min=torch.finfo(den.dtype).tiny), torch.zeros_like(num))
+    return out.to(q.dtype).reshape(B, H, 1, D)

@@ -1,0 +1,445 @@
+"""The serving engine: one thread runs every model step; requests join and leave between steps.
+
+Each loop iteration, at a step boundary: cancelled requests leave (their blocks go back to
+the pool at once), queued requests are admitted while the pool can hold them, every
+decoding request advances one token in one batched step per attention policy, and one
+prefill chunk of one admitted request runs, so a long prompt never stalls the others for
+more than a chunk.
+
+Admission reserves, per request, the most blocks it can ever hold
+(``cache.paged.blocks_bound`` over its layers for ``prompt + max_tokens`` positions): the
+running requests never exhaust the pool, and a request the pool cannot hold waits in a
+bounded queue (``QueueFull`` beyond it: the HTTP layer answers 429).
+
+Prefix reuse: a finished request's stream stays in the pool (least recently used first
+out, evicted when admission needs its blocks) keyed by the tokens it stored. A new request
+with the same policy whose prompt shares a prefix with it takes the stream over, cut back to
+the shared length when the layers still hold what a query there reads (``PagedStream.truncate``),
+and prefills only the rest. docs/serve.md says which prefix lengths stay reusable.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from ..cache.paged import BlockPool, PagedKVCache, PagedStream, blocks_bound
+from ..engine.sampling import SamplingConfig, sample
+from ..errors import LongattnError, check_int
+from ..policy import AttentionPolicy
+from .detok import IncrementalText
+
+log = logging.getLogger("longattn.serve")
+
+# distinct per-request policies remembered (each holds its own mask memo)
+MAX_POLICIES = 32
+
+
+class QueueFull(Exception):
+    """The admission queue is full; the client should retry after ``retry_after`` seconds."""
+
+    def __init__(self, retry_after: int):
+        super().__init__("the server is at capacity; retry later")
+        self.retry_after = retry_after
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16        # token slots per KV block
+    num_blocks: int = 4096      # blocks in the pool (all layers, all streams)
+    max_batch: int = 16         # requests decoding at once
+    max_queue: int = 64         # requests waiting for admission before 429
+    chunk: int = 256            # prefill tokens per step
+    retain: int = 16            # finished streams kept for prefix reuse (0 = off)
+
+    def __post_init__(self):
+        check_int("--block-size", self.block_size, minimum=1)
+        check_int("--kv-blocks", self.num_blocks, minimum=1)
+        check_int("--max-batch", self.max_batch, minimum=1)
+        check_int("--max-queue", self.max_queue, minimum=0)
+        check_int("--prefill-chunk", self.chunk, minimum=1)
+        check_int("--prefix-cache", self.retain, minimum=0)
+
+
+@dataclass
+class Request:
+    """One generation: the prompt, how to sample, and where its output goes.
+
+    ``emit(kind, payload)`` is called from the engine thread: ``("text", str)`` for each
+    settled piece of text, then exactly one ``("done", Request)`` or ``("error", str)``.
+    """
+
+    prompt: list
+    max_tokens: int
+    sampling: SamplingConfig
+    emit: Callable
+    stop: list = field(default_factory=list)          # stop strings
+    policy_key: tuple = ()                            # () = the server's policy
+    ignore_eos: bool = False                          # end-of-turn tokens do not end it
+    id: str = ""
+    # filled by the engine
+    policy: Optional[AttentionPolicy] = None
+    need: int = 0                                     # blocks reserved
+    stream: Optional[PagedStream] = None
+    fed: list = field(default_factory=list)           # tokens stored in the cache, in order
+    pending: Optional[int] = None                     # sampled, not yet fed
+    generated: list = field(default_factory=list)     # emitted token ids
+    text: str = ""
+    sent: int = 0                                     # characters of text emitted
+    finish_reason: Optional[str] = None
+    reused: int = 0                                   # prompt tokens taken from the prefix cache
+    t_submit: float = 0.0
+    t_first: Optional[float] = None
+    t_done: Optional[float] = None
+    generator: Optional[torch.Generator] = None
+    detok: Optional[IncrementalText] = None
+
+    @property
+    def ttft(self) -> Optional[float]:
+        return None if self.t_first is None else self.t_first - self.t_submit
+
+
+class Metrics:
+    """Counters and gauges /metrics reports (updated by the engine thread, read by HTTP)."""
+
+    def __init__(self):
+        self.requests = {"ok": 0, "error": 0, "rejected": 0, "cancelled": 0, "invalid": 0}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.prefix_tokens = 0
+        self.steps = 0
+        self.step_seconds = 0.0
+        self.last_step_seconds = 0.0
+        self.decode_batch = 0       # rows of the latest batched decode step
+        self.peak_decode_batch = 0
+
+
+class Engine:
+    """Continuous batching over a paged KV pool.
+
+    Args:
+        model: a Transformer. tokenizer: its tokenizer (decodes the output text).
+        policy: the server's AttentionPolicy (window/dense layers).
+        config: EngineConfig. stop_ids: token ids that end a turn (not emitted).
+    """
+
+    def __init__(self, model, tokenizer, policy: AttentionPolicy, config: EngineConfig = EngineConfig(),
+                 stop_ids=()):
+        self.model, self.cfg, self.tok = model, model.config, tokenizer
+        self.config = config
+        self.stop_ids = set(stop_ids)
+        PagedStream.for_policy(policy)  # refuses kinds the pool cannot page
+        self.policies = {(): policy}
+        self.pool = BlockPool(config.num_blocks, config.block_size, self.cfg.num_kv_heads, self.cfg.head_dim,
+                              model.activation_dtype)
+        self.metrics = Metrics()
+        self._cv = threading.Condition()
+        self._inbox: list = []
+        self._cancel: set = set()
+        self._stopping = False
+        self.waiting: list = []
+        self.running: list = []
+        self.retained: OrderedDict = OrderedDict()  # id -> (policy_key, tokens, stream)
+        self.reserved = 0
+        self._ids = itertools.count()
+        self._thread: Optional[threading.Thread] = None
+
+    # ------------------------------------------------------------------ called from any thread
+
+    def policy_for(self, key: tuple) -> AttentionPolicy:
+        """The policy of an override ``(window, sinks)`` (``()`` = the server's)."""
+        if key not in self.policies:
+            window, sinks = key
+            self.policies[key] = AttentionPolicy.build(self.cfg, "window", window=window, sinks=sinks)
+            if len(self.policies) > MAX_POLICIES:  # requests keep their own reference
+                del self.policies[next(k for k in self.policies if k != ())]
+        return self.policies[key]
+
+    def bounded(self, key: tuple = ()) -> bool:
+        """Every layer windowed: a stream's memory stays bounded however long it runs."""
+        return self.policy_for(key).max_window is not None
+
+    def blocks_needed(self, policy: AttentionPolicy, prompt: int, max_tokens: int) -> int:
+        """Most blocks a request of ``prompt`` tokens generating ``max_tokens`` ever holds: its
+        longest forward stores ``min(chunk, prompt)`` positions before a window frees any."""
+        c = self.config
+        longest = min(c.chunk, prompt)
+        return sum(blocks_bound(lp.window or None, lp.sinks if lp.window else 0, prompt + max_tokens, longest,
+                                c.block_size) for lp in policy.layers)
+
+    def submit(self, req: Request) -> None:
+        """Queue ``req``; raises QueueFull when the queue is full, LongattnError when the pool
+        could never hold it."""
+        req.policy = self.policy_for(req.policy_key)
+        req.need = self.blocks_needed(req.policy, len(req.prompt), req.max_tokens)
+        if req.need > self.pool.num_blocks:
+            raise LongattnError(f"this request needs {req.need} KV blocks and the pool holds "
+                                f"{self.pool.num_blocks}; lower max_tokens, shorten the prompt, or use a "
+                                f"window (or start the server with more --kv-blocks)")
+        if not self.bounded(req.policy_key) and len(req.prompt) + req.max_tokens > self.cfg.max_context:
+            raise LongattnError(f"the prompt ({len(req.prompt)} tokens) plus max_tokens ({req.max_tokens}) "
+                                f"exceeds the model's context of {self.cfg.max_context} tokens under a policy "
+                                f"with global layers; shorten them, or serve with a window on every layer")
+        if req.sampling.seed is not None:
+            req.generator = torch.Generator().manual_seed(req.sampling.seed)
+        req.detok = IncrementalText(self.tok)
+        req.t_submit = time.perf_counter()
+        with self._cv:
+            if self._stopping:
+                raise QueueFull(retry_after=5)
+            if self._queued_with(req) > self.config.max_queue:
+                self.metrics.requests["rejected"] += 1
+                raise QueueFull(retry_after=self._retry_after())
+            req.id = req.id or f"{next(self._ids)}"
+            self._inbox.append(req)
+            self._cv.notify()
+
+    def cancel(self, req: Request) -> None:
+        """Drop ``req`` at the next step boundary (its blocks go back to the pool)."""
+        with self._cv:
+            self._cancel.add(id(req))
+            self._cv.notify()
+
+    def start(self) -> "Engine":
+        self._thread = threading.Thread(target=self._loop, name="longattn-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, drain: bool = True, timeout: Optional[float] = None) -> None:
+        """Stop the loop: after the running and queued requests finish when ``drain``."""
+        with self._cv:
+            self._stopping = True
+            if not drain:
+                for r in self._inbox + self.waiting + self.running:
+                    self._cancel.add(id(r))
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def snapshot(self) -> dict:
+        """Gauges for /metrics and /health."""
+        with self._cv:
+            return {"queue": len(self.waiting) + len(self._inbox), "running": len(self.running),
+                    "blocks_used": self.pool.used, "blocks_free": self.pool.free,
+                    "blocks_retained": sum(s.blocks() for _, _, s in self.retained.values()),
+                    "alive": self._thread is not None and self._thread.is_alive()}
+
+    # ------------------------------------------------------------------ the engine thread
+
+    def _queued_with(self, req: Request) -> int:
+        """How many requests would wait for admission with ``req`` added: admission is first in,
+        first out, so the requests ahead take batch rows and blocks first, and once one does not
+        fit every later one waits too."""
+        rows = self.config.max_batch - len(self.running)
+        free = self.pool.num_blocks - self.reserved
+        queued = 0
+        for r in list(self.waiting) + self._inbox + [req]:
+            if queued == 0 and rows > 0 and r.need <= free:
+                rows, free = rows - 1, free - r.need
+            else:
+                queued += 1
+        return queued
+
+    def _retry_after(self) -> int:
+        per_step = self.metrics.step_seconds / max(1, self.metrics.steps)
+        return max(1, int(per_step * 16 + 0.999))
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._inbox or self.waiting or self.running or self._cancel or self._stopping):
+                    self._cv.wait()
+                self.waiting.extend(self._inbox)
+                self._inbox.clear()
+                cancel, self._cancel = self._cancel, set()
+                if self._stopping and not (self.waiting or self.running):
+                    return
+            t0 = time.perf_counter()
+            try:
+                self._drop(cancel)
+                self._admit()
+                self._decode()
+                self._prefill()
+            except Exception as e:  # a failed step fails its requests, not the server
+                log.exception("engine step failed")
+                for r in list(self.running):
+                    self._finish(r, error=f"internal error: {type(e).__name__}: {e}")
+            dt = time.perf_counter() - t0
+            self.metrics.steps += 1
+            self.metrics.step_seconds += dt
+            self.metrics.last_step_seconds = dt
+
+    def _drop(self, cancel: set) -> None:
+        if not cancel:
+            return
+        for r in [r for r in self.waiting if id(r) in cancel]:
+            self.waiting.remove(r)
+            self.metrics.requests["cancelled"] += 1
+            r.finish_reason = "cancelled"
+            r.emit("done", r)
+        for r in [r for r in self.running if id(r) in cancel]:
+            self._finish(r, reason="cancelled")
+
+    def _admit(self) -> None:
+        while self.waiting:
+            r = self.waiting[0]
+            while not self._fits_with_retained(r) and self.retained:
+                _, (_, _, st) = self.retained.popitem(last=False)  # least recently used
+                st.release(self.pool)
+            if not self._fits_with_retained(r):
+                return
+            self.waiting.pop(0)
+            self.reserved += r.need
+            self.metrics.prompt_tokens += len(r.prompt)
+            r.stream = self._reuse(r) or PagedStream.for_policy(r.policy)
+            self.running.append(r)
+
+    def _fits_with_retained(self, r: Request) -> bool:
+        held = sum(s.blocks() for _, _, s in self.retained.values())
+        return len(self.running) < self.config.max_batch and \
+            self.reserved + r.need <= self.pool.num_blocks - held
+
+    def _reuse(self, r: Request) -> Optional[PagedStream]:
+        """Take over the retained stream sharing the longest usable prefix with ``r.prompt``."""
+        self.metrics.prefix_queries += 1
+        if not self.retained:
+            return None
+        best, best_n = None, 0
+        for key, (pk, toks, st) in self.retained.items():
+            if pk != r.policy_key:
+                continue
+            n = _common_prefix(toks, r.prompt)
+            n = min(n, len(r.prompt) - 1)  # at least one token is fed: its logits start the reply
+            if n > best_n:
+                best, best_n = key, n
+        if best is None:
+            return None
+        _, toks, st = self.retained[best]
+        if not st.truncate(best_n, self.pool):
+            return None
+        del self.retained[best]
+        r.fed = list(toks[:best_n])
+        r.reused = best_n
+        self.metrics.prefix_hits += 1
+        self.metrics.prefix_tokens += best_n
+        return st
+
+    def _decode(self) -> None:
+        groups: dict = {}
+        for r in self.running:
+            if r.pending is not None:
+                groups.setdefault(r.policy_key, []).append(r)
+        for key, rs in groups.items():
+            self.metrics.decode_batch = len(rs)
+            self.metrics.peak_decode_batch = max(self.metrics.peak_decode_batch, len(rs))
+            cache = PagedKVCache(self.cfg, self.pool, [r.stream for r in rs])
+            tokens = torch.tensor([[r.pending] for r in rs])          # [B, 1]
+            pos = cache.next_position()                                # [B, 1]
+            logits = self.model(tokens, pos, cache=cache, policy=rs[0].policy, logits="all")[:, 0]  # [B, V]
+            for b, r in enumerate(rs):
+                r.fed.append(r.pending)
+                r.pending = None
+                self._take(r, logits[b:b + 1])
+
+    def _prefill(self) -> None:
+        r = next((r for r in self.running if r.pending is None and r.finish_reason is None), None)
+        if r is None:
+            return
+        start = len(r.fed)
+        part = r.prompt[start:start + self.config.chunk]
+        cache = PagedKVCache(self.cfg, self.pool, [r.stream])
+        ids = torch.tensor([part])                                      # [1, T]
+        pos = torch.arange(start, start + len(part))[None]              # [1, T]
+        logits = self.model(ids, pos, cache=cache, policy=r.policy, logits="last")[:, 0]  # [1, V]
+        r.fed.extend(part)
+        if len(r.fed) == len(r.prompt):
+            self._take(r, logits)
+
+    def _take(self, r: Request, logits: torch.Tensor) -> None:
+        """Sample the next token of ``r`` from ``logits [1, V]``; emit text; finish when done."""
+        t = int(sample(logits, r.sampling, r.generator)[0])
+        if r.t_first is None:
+            r.t_first = time.perf_counter()
+        if t in self.stop_ids and not r.ignore_eos:
+            return self._finish(r, reason="stop")
+        r.generated.append(t)
+        self.metrics.generation_tokens += 1
+        piece = r.detok.push(t)
+        if piece:
+            r.text += piece
+            if self._stop_string(r, len(r.text) - len(piece)):
+                return self._finish(r, reason="stop")
+            self._send(r, final=False)
+        if len(r.generated) >= r.max_tokens:
+            return self._finish(r, reason="length")
+        if not self.bounded(r.policy_key) and len(r.fed) + 1 >= self.cfg.max_context:
+            return self._finish(r, reason="length")
+        r.pending = t
+
+    @staticmethod
+    def _stop_string(r: Request, new_from: int) -> bool:
+        """Cut ``r.text`` at the first stop string the new text completes; True if one did."""
+        if not r.stop:
+            return False
+        look = max(0, new_from - max(len(s) for s in r.stop) + 1)
+        hits = [i for i in (r.text.find(s, look) for s in r.stop) if i >= 0]
+        if hits:
+            r.text = r.text[:min(hits)]
+            return True
+        return False
+
+    @staticmethod
+    def _send(r: Request, final: bool) -> None:
+        """Emit the settled text not sent yet: all of it when ``final``, else all but a tail
+        that could still grow into a stop string."""
+        end = len(r.text)
+        if not final:
+            for s in r.stop:
+                for k in range(min(len(s) - 1, len(r.text)), 0, -1):
+                    if r.text.endswith(s[:k]):
+                        end = min(end, len(r.text) - k)
+                        break
+        if end > r.sent:
+            r.emit("text", r.text[r.sent:end])
+            r.sent = end
+
+    def _finish(self, r: Request, reason: Optional[str] = None, error: Optional[str] = None) -> None:
+        if r in self.running:
+            self.running.remove(r)
+            self.reserved -= r.need
+        r.t_done = time.perf_counter()
+        r.finish_reason = reason or "error"
+        st, r.stream = r.stream, None
+        if st is not None:
+            if error is None and reason != "cancelled" and self.config.retain and r.fed:
+                self.retained[id(r)] = (r.policy_key, tuple(r.fed), st)
+                while len(self.retained) > self.config.retain:
+                    _, (_, _, old) = self.retained.popitem(last=False)
+                    old.release(self.pool)
+            else:
+                st.release(self.pool)
+        if error is not None:
+            self.metrics.requests["error"] += 1
+            r.emit("error", error)
+            return
+        self.metrics.requests["cancelled" if reason == "cancelled" else "ok"] += 1
+        if reason != "cancelled":
+            self._send(r, final=True)
+        r.emit("done", r)
+
+
+def _common_prefix(a, b) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,73 @@
+"""What one row's sparse call computes once and every tau shares: the grouped query, the exact
+rows with their scores and mass, and (flat selection) every cluster's tail logit and estimate.
+
+The live call reads one tau, calibration replays the whole grid over the same ``Prepared``; the
+lazily filled fields (the store's prepared query, the probe's clusters) are computed by the first
+reader and kept for the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .index import ClusterIndex
+from .kernel import NEG_INF, cluster_scores
+
+
+@dataclass(slots=True)
+class Prepared:
+    """Per-row quantities of one call (``E`` exact rows: sink, outliers, suffix in that order;
+    ``M`` live clusters).
+
+    Fields:
+        qg: float32 ``[Hkv, g, D]``, the query grouped by the KV head its heads read.
+        s_ex: float32 ``[Hkv, g, E]``, scaled scores with the exact rows.
+        v_ex: float32 ``[Hkv, E, D]``, the exact rows' values.
+        log_exact: float32 ``[Hkv, g]``, log of the exact rows' mass (-inf when there are none).
+        n: the cache's length ``N``.
+        tail: float32 ``[Hkv, g, M]``, every cluster's tail logit ``a + log m`` (flat
+            selection with clusters; ``None`` otherwise).
+        est: float32 ``[Hkv, g, M]``, every cluster's log-mass estimate (as ``tail``).
+        qprep: the store's prepared query (``PackedStore.prepare_query``), filled by the first
+            read of packed rows.
+        probe: bool ``[Hkv, M]``, the clusters the probe opens (``SCSAConfig.probe_dims``),
+            filled by the first selection that runs it.
+    """
+
+    qg: torch.Tensor
+    s_ex: torch.Tensor
+    v_ex: torch.Tensor
+    log_exact: torch.Tensor
+    n: int
+    tail: torch.Tensor | None = None
+    est: torch.Tensor | None = None
+    qprep: object = None
+    probe: torch.Tensor | None = None
+
+
+def prepare(index: ClusterIndex, q_row: torch.Tensor, k_row: torch.Tensor, v_row: torch.Tensor,
+            scale: float, group: int, flat_scores: bool) -> Prepared:
+    """One row's shared quantities.
+
+    Args:
+        index: the row's cluster index (its exact slots and live summaries).
+        q_row: ``[H, D]``; k_row, v_row: ``[Hkv, N, D]``; scale: beta.
+        group: query heads per KV head (``H // Hkv``).
+        flat_scores: also score every cluster (``tail``, ``est``), as flat selection needs.
+    """
+    hkv, n, D = k_row.shape
+    qg = q_row.float().reshape(hkv, group, D)  # [Hkv, g, D]
+    s0, s1 = index.exact_slots(n)
+    at = index.extra_slots.unsqueeze(-1).expand(-1, -1, D)  # the outliers [Hkv, X, D]
+    # sink, outliers, suffix: the order of every path's exact rows
+    k_ex = torch.cat([k_row[:, :s0], k_row.gather(1, at), k_row[:, s1:]], 1).float()  # [Hkv, E, D]
+    v_ex = torch.cat([v_row[:, :s0], v_row.gather(1, at), v_row[:, s1:]], 1).float()
+    s_ex = torch.bmm(qg, k_ex.transpose(1, 2)) * scale  # [Hkv, g, E]
+    log_exact = torch.logsumexp(s_ex, -1) if s_ex.shape[-1] else s_ex.new_full(s_ex.shape[:2], NEG_INF)
+    prep = Prepared(qg=qg, s_ex=s_ex, v_ex=v_ex, log_exact=log_exact, n=n)
+    if index.num_clusters and flat_scores:
+        prep.tail, prep.est = cluster_scores(qg, index.live_summ, index.live_resid,
+                                             index.live_log_counts, index.live_radius, scale)
+    return prep
