@@ -41,11 +41,11 @@ def test_gpt_oss_matches_transformers(name):
 
 
 def test_gpt_oss_refused_where_sinks_have_no_term():
-    from longattn.policy import AttentionPolicy, LayerPolicy
-    from longattn.static_decode import StaticDecoder
+    from longattn.engine.static_step import StaticDecoder
+    from longattn.sparse.policy import build_sparse_policy
     ours, _ = _pair({})
     ids = torch.randint(0, ours.config.vocab_size, (1, 4))
-    sparse = AttentionPolicy([LayerPolicy("sparse", None, 0)] * ours.config.num_layers)
+    sparse = build_sparse_policy(ours.config)
     with pytest.raises(LongattnError, match="SparseOp has no term for this model's learned sink logits"):
         ours(ids, policy=sparse)
     with pytest.raises(LongattnError, match="static decoder's step has no term for learned sink"):

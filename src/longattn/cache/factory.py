@@ -46,7 +46,7 @@ def make_cache(cfg, policy=None, batch: int = 1, kind: str = "auto", slack: int 
                             "other than 'growing')")
     if reindex and model is None:
         raise LongattnError("reindex needs the model's RoPE frequencies: make_cache(..., model=model)")
-    if reindex:
+    if reindex and hasattr(model, "model"):  # a Transformer (not a list of frequencies)
         refuse_length_dependent_rope(model.model.layers, "reindex")
     freqs = layer_inv_freqs(model, cfg.num_layers) if model is not None else [None] * cfg.num_layers
     layers = []
