@@ -9,7 +9,7 @@ import sys
 
 # command name -> module under longattn.cli that defines add_parser(subparsers)
 COMMANDS = ["generate", "models", "demo", "stream", "quality", "receptive", "cache_cmd", "scaling",
-            "sinks", "retrieval"]
+            "sinks", "retrieval", "report"]
 
 
 def build_parser() -> argparse.ArgumentParser:
