@@ -151,14 +151,25 @@ def _serial(cells, threads) -> Iterable[dict]:
 
 
 def _processes(cells, threads, workers) -> Iterable[dict]:
+    # concurrent.futures, not multiprocessing.Pool: a worker that dies (killed, out of memory)
+    # fails the sweep at once instead of leaving it waiting for the lost cell forever
     import multiprocessing as mp
-    pool = mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(threads,))
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from concurrent.futures.process import BrokenProcessPool
+    ex = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
+                             initargs=(threads,))
     try:
-        yield from pool.imap_unordered(functools.partial(run_cell, threads=threads), cells, chunksize=1)
-        pool.close()
+        pending = {ex.submit(run_cell, c, threads) for c in cells}
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for f in done:
+                try:
+                    yield f.result()
+                except BrokenProcessPool:
+                    raise LongattnError("a sweep worker process died (killed, or out of memory); "
+                                        "run the same command again to resume") from None
     finally:
-        pool.terminate()
-        pool.join()
+        ex.shutdown(wait=True, cancel_futures=True)
 
 
 def _ray(cells, threads, address: str) -> Iterable[dict]:
