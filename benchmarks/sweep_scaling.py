@@ -5,7 +5,8 @@ Each runner starts from an empty results file (a temporary directory), so every 
 the 2-worker run should take at most 0.6x the serial one on a 2-core machine (cells are
 independent and each holds one thread). Ray's overhead per cell is
 ``(ray wall - serial wall) / cells`` with Ray given one CPU, so both run one cell at a time;
-Ray's start-up is timed apart. Writes ``results/sweep_scaling.json``.
+Ray's start-up is timed apart. Every runner also loads the model once per process, so
+use a grid of many cells for the ratios to speak of the cells. Writes ``results/sweep_scaling.json``.
 
     python benchmarks/sweep_scaling.py --model smollm2-135m --samples 4 --distances 64,192
 """

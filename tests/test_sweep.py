@@ -4,7 +4,6 @@ kill; the intervals (lab/stats.py) against their formulas; the sweep commands an
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import string
 import sys
@@ -209,4 +208,16 @@ def test_cli_ray_missing_and_bad_workers_are_one_line(text_model, tmp_path, caps
         main(["report", "--help"])
     assert main(["report", str(tmp_path)]) == 2
     assert "no lab results" in _one_error_line(capsys)
-    assert not math.isnan(0.0)
+
+
+def test_policy_specs_build_the_policies_they_name():
+    from conftest import tiny_model
+    from longattn.lab.sweep import build_policy
+    cfg = tiny_model("gemma3").config  # trained windows on local layers, global every 3rd
+    assert build_policy(cfg, {"mode": "checkpoint"}).windows == list(cfg.layer_windows)
+    pol = build_policy(cfg, {"mode": "global", "window": 4, "sinks": 2})
+    assert pol.windows == [w or 4 for w in cfg.layer_windows] and {lp.sinks for lp in pol.layers} == {2}
+    sparse = build_policy(cfg, {"mode": "sparse", "scsa": {"min_context": 16}})
+    kinds = [lp.kind for lp in sparse.layers]
+    assert kinds == ["sparse" if w is None else "window" for w in cfg.layer_windows]
+    assert sparse.sparse_config.min_context == 16

@@ -179,8 +179,11 @@ def _ray(cells, threads, address: str) -> Iterable[dict]:
         raise LongattnError(RAY_INSTALL) from None
     started = not ray.is_initialized()
     if started:
-        ray.init(address=address or None, include_dashboard=False, log_to_driver=False,
-                 logging_level="ERROR")
+        import warnings
+        with warnings.catch_warnings():  # Ray's notes on GPU variables do not concern CPU cells
+            warnings.simplefilter("ignore", FutureWarning)
+            ray.init(address=address or None, include_dashboard=False, log_to_driver=False,
+                     logging_level="ERROR")
     pending = []
     try:
         task = ray.remote(num_cpus=threads)(run_cell)
