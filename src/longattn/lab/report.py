@@ -23,7 +23,7 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
         if isinstance(v, float):
             return f"{v:.4f}"
         return str(v).replace("|", "\\|")
-    right = [all(isinstance(r[i], (int, float)) for r in rows) and rows for i in range(len(headers))]
+    right = [bool(rows) and all(isinstance(r[i], (int, float)) for r in rows) for i in range(len(headers))]
     lines = ["| " + " | ".join(headers) + " |",
              "|" + "|".join("---:" if r else "---" for r in right) + "|"]
     lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
