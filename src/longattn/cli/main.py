@@ -10,7 +10,7 @@ import warnings
 
 # command name -> module under longattn.cli that defines add_parser(subparsers)
 COMMANDS = ["generate", "models", "demo", "stream", "quality", "receptive", "cache_cmd", "scaling",
-            "sinks", "retrieval", "serve"]
+            "sinks", "retrieval", "serve", "report"]
 
 
 class OneLineParser(argparse.ArgumentParser):

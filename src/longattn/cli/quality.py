@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from .common import add_lab_parser, add_output_args, load_text_model, progress_ticker, save_results, setup_threads
+from .common import add_lab_parser, add_output_args, save_results, setup_threads
+from .sweep_args import add_sweep_args, load_sweep_checkpoint, save_markdown, sweep_settings
 
 
 def add_parser(sub) -> None:
     from ..lab.plots import int_list
     p = add_lab_parser(sub, "quality", help="bits/token vs window and sinks on book passages, with the full baseline",
                        description="Score the second half of N book passages of T tokens under a grid of "
-                                   "imposed windows x sinks, beside the checkpoint's own attention.")
-    p.add_argument("--passages", type=int, default=2, help="number of book passages")
+                                   "imposed windows x sinks, beside the checkpoint's own attention, with "
+                                   "bootstrap intervals over passages.")
+    p.add_argument("--passages", type=int, default=16, help="number of book passages (1-2 for a smoke run)")
     p.add_argument("--length", type=int, default=1024, help="tokens per passage (the second half is scored)")
     p.add_argument("--windows", type=int_list, default="64,128,256,512", help="windows W, comma-separated")
     p.add_argument("--sinks", type=int_list, default="0,1,4", help="sink counts S, comma-separated")
@@ -20,15 +22,17 @@ def add_parser(sub) -> None:
     p.add_argument("--reindex", action="store_true",
                    help="StreamingLLM position re-indexing (chunked through ring caches; moves only the sinks)")
     p.add_argument("--chunk", type=int, default=256, help="tokens per forward on the --reindex path")
+    add_sweep_args(p)
     add_output_args(p, "results/quality", run)
 
 
 def run(args) -> int:
     from ..errors import LongattnError
     from ..lab.plots import format_table, out_dir, slug
-    from ..lab.quality import plot_quality, quality_sweep
-    from ..lab.tasks import book_passages
+    from ..lab.quality import markdown_rows, plot_quality, quality_cells, quality_result, resolve_mode
+    from ..lab.sweep import run_sweep
     setup_threads(args.threads)
+    sweep = sweep_settings(args)
     if args.passages < 1 or args.length < 4:
         raise LongattnError("need --passages >= 1 and --length >= 4")
     if args.chunk < 1:
@@ -36,20 +40,27 @@ def run(args) -> int:
     if any(w < 1 for w in args.windows):
         raise LongattnError("--windows must be positive")
     out = out_dir(args.out)
-    ck, model, encode = load_text_model(args, "quality needs text passages")
-    passages = book_passages(encode, args.passages, args.length)
-    total = args.passages * (1 + len(args.windows) * len(args.sinks))
-    bar, tick = progress_ticker(total, "quality", unit="fwd")
-    res = quality_sweep(model, passages, args.windows, args.sinks, mode=args.mode, reindex=args.reindex,
-                        chunk=args.chunk, progress=tick)
-    bar.close()
-    res.update(model=ck.name, threads=args.threads, weights=args.weights, source="bundled books (longattn.data)")
+    ck = load_sweep_checkpoint(args, "quality needs text passages")
+    stem = f"quality_{slug(ck.name)}"
+    cells = quality_cells(args.model, args.weights, ck.config, args.passages, args.length, args.windows, args.sinks,
+                          args.mode, args.reindex, args.chunk)
+    recs = run_sweep([c for c, _, _ in cells], out / f"{stem}.cells.jsonl", desc="quality", **sweep)
+    per = {}
+    for (_, arm, i), rec in zip(cells, recs):
+        per.setdefault(arm, [None] * args.passages)[i] = (rec["result"]["bits"], rec["result"]["count"])
+    arms = [(w, s, per[(w, s)]) for w in args.windows for s in args.sinks]
+    res = quality_result(ck.config, resolve_mode(ck.config, args.mode), args.reindex, [args.length], per[None], arms)
+    res.update(model=ck.name, threads_per_cell=sweep["threads"], weights=args.weights,
+               source="bundled books (longattn.data)")
     b = res["baseline"]
-    print(f"{ck.name}: {args.passages} passages x {args.length} tokens, bits/token on positions "
-          f"{args.length // 2}..{args.length - 1}; mode {res['mode']}{', re-indexed' if args.reindex else ''}")
-    rows = [[b["label"], "-", "-", b["bits_per_token"], 0.0]]
+    head = (f"{ck.name}: {args.passages} passages x {args.length} tokens, bits/token on positions "
+            f"{args.length // 2}..{args.length - 1}; mode {res['mode']}{', re-indexed' if args.reindex else ''}")
+    print(head)
+    rows = [[b["label"], "-", "-", b["bits_per_token"], b["ci"][0], b["ci"][1], 0.0, None, None]]
     kind = "window" if res["mode"] == "window" else "W on global layers"
-    rows += [[kind, r["window"], r["sinks"], r["bits_per_token"], r["delta_bits"]] for r in res["rows"]]
-    print(format_table(["policy", "window", "sinks", "bits/token", "delta"], rows))
-    save_results(args, out, f"quality_{slug(ck.name)}", res, lambda png: plot_quality(res, png))
+    rows += [[kind, r["window"], r["sinks"], r["bits_per_token"], r["ci"][0], r["ci"][1], r["delta_bits"],
+              r["delta_ci"][0], r["delta_ci"][1]] for r in res["rows"]]
+    print(format_table(["policy", "window", "sinks", "bits/token", "lo", "hi", "delta", "lo", "hi"], rows))
+    save_markdown(out, stem, f"Quality: {ck.name}", [head, res["intervals"]], markdown_rows(res))
+    save_results(args, out, stem, res, lambda png: plot_quality(res, png))
     return 0

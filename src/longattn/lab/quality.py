@@ -21,6 +21,7 @@ longer than the trained context simply runs at its absolute positions.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Optional, Sequence
 
@@ -119,56 +120,134 @@ def quality_sweep(model, passages: Sequence[torch.Tensor], windows: Sequence[int
     lengths = sorted({int(p.numel()) for p in passages})
     if lengths[0] < 4:
         raise LongattnError("passages need at least 4 tokens")
+    check_grid(windows, sinks)
+    m = resolve_mode(cfg, mode)
+
+    def run(policy, label, use_reindex):
+        per = []
+        for ids in passages:
+            per.append(passage_bits(model, ids, policy, reindex=use_reindex, chunk=chunk))
+            if progress:
+                progress(label)
+        return per
+
+    base = run(AttentionPolicy.build(cfg, "checkpoint"), "baseline", False)
+    arms = []
+    for w in windows:
+        for s in sinks:
+            pol = AttentionPolicy.build(cfg, m, window=w, sinks=s)
+            arms.append((w, s, run(pol, f"W={w} S={s}", reindex)))
+    return quality_result(cfg, m, reindex, lengths, base, arms)
+
+
+def check_grid(windows, sinks) -> None:
     if not windows or any((not isinstance(w, int)) or w < 1 for w in windows):
         raise LongattnError(f"windows must be positive integers, got {list(windows)}")
     if any((not isinstance(s, int)) or s < 0 for s in sinks):
         raise LongattnError(f"sinks must be non-negative integers, got {list(sinks)}")
-    m = resolve_mode(cfg, mode)
 
-    def run(policy, label, use_reindex):
-        tot, n, per = 0.0, 0, []
-        for ids in passages:
-            b, c = passage_bits(model, ids, policy, reindex=use_reindex, chunk=chunk)
-            tot, n = tot + b, n + c
-            per.append(b / c)
-            if progress:
-                progress(label)
-        return tot / n, per
 
-    base_bpt, base_per = run(AttentionPolicy.build(cfg, "checkpoint"), "baseline", False)
+def quality_result(cfg, mode: str, reindex: bool, lengths: list, base: list, arms: list) -> dict:
+    """The quality document from per-passage ``(bits, scored tokens)``.
+
+    Args:
+        base: ``[(bits, count)]`` per passage under the checkpoint's own attention.
+        arms: ``[(window, sinks, [(bits, count)] per passage)]``, passages in the same order.
+    Returns:
+        dict with ``baseline`` and ``rows``: bits/token (total bits / total scored tokens),
+        per-passage bits/token, a 95% bootstrap interval over passages (``ci``) and, for rows,
+        ``delta_bits`` with the paired bootstrap interval of the delta (``delta_ci``).
+    """
+    from .stats import paired_delta_interval, ratio_interval
+
+    def bpt(per):
+        return sum(b for b, _ in per) / sum(c for _, c in per)
+
+    def split(per):
+        return [b for b, _ in per], [float(c) for _, c in per]
+
+    bb, bc = split(base)
     rows = []
-    for w in windows:
-        for s in sinks:
-            pol = AttentionPolicy.build(cfg, m, window=w, sinks=s)
-            bpt, per = run(pol, f"W={w} S={s}", reindex)
-            rows.append({"window": w, "sinks": s, "bits_per_token": bpt, "per_passage": per,
-                         "delta_bits": bpt - base_bpt})
+    for w, s, per in arms:
+        ab, ac = split(per)
+        rows.append({"window": w, "sinks": s, "bits_per_token": bpt(per), "ci": list(ratio_interval(ab, ac)),
+                     "per_passage": [b / c for b, c in per], "delta_bits": bpt(per) - bpt(base),
+                     "delta_ci": list(paired_delta_interval(bb, bc, ab, ac))})
     return {
         "experiment": "quality",
         "model": cfg.name,
-        "mode": m,
+        "mode": mode,
         "reindex": bool(reindex),
-        "passages": len(passages),
+        "passages": len(base),
         "lengths": lengths,
         "scored_positions": "targets at positions T//2..T-1 of each passage (logits one earlier)",
+        "intervals": "95% percentile bootstrap over passages (ratio of sums); delta_ci paired over the same passages",
         "trained_windows": list(cfg.layer_windows),
         "max_context": cfg.max_context,
-        "baseline": {"label": baseline_label(cfg), "bits_per_token": base_bpt, "per_passage": base_per},
+        "baseline": {"label": baseline_label(cfg), "bits_per_token": bpt(base), "ci": list(ratio_interval(bb, bc)),
+                     "per_passage": [b / c for b, c in base]},
         "rows": rows,
     }
 
 
+@functools.lru_cache(maxsize=4)
+def _passages(encode, n: int, length: int) -> tuple:
+    from .tasks import book_passages
+    return tuple(book_passages(encode, n, length))
+
+
+def run_cell(ctx, params: dict) -> dict:
+    """Sweep cell: one passage (``index`` of ``passages`` book passages of ``length`` tokens)
+    under one policy spec -> ``{"bits", "count"}`` on its second half."""
+    from .sweep import build_policy
+    ids = _passages(ctx.encode, params["passages"], params["length"])[params["index"]]
+    bits, count = passage_bits(ctx.model, ids, build_policy(ctx.config, params["policy"]),
+                               reindex=params["reindex"], chunk=params["chunk"])
+    return {"bits": bits, "count": count}
+
+
+def quality_cells(model: str, weights: str, cfg, passages: int, length: int, windows, sinks, mode: str = "auto",
+                  reindex: bool = False, chunk: int = 256) -> list:
+    """``[(Cell, (window, sinks) or None for the baseline, passage index)]`` of a quality sweep."""
+    from .sweep import Cell
+    check_grid(windows, sinks)
+    m = resolve_mode(cfg, mode)
+    arms = [(None, {"mode": "checkpoint"}, False)]
+    arms += [((w, s), {"mode": m, "window": w, "sinks": s}, reindex) for w in windows for s in sinks]
+    out = []
+    for arm, spec, rx in arms:
+        for i in range(passages):
+            params = {"passages": passages, "index": i, "length": length, "policy": spec, "reindex": bool(rx),
+                      "chunk": chunk}
+            out.append((Cell("quality", model, params, weights), arm, i))
+    return out
+
+
+def markdown_rows(result: dict) -> tuple:
+    """(headers, rows) of the quality table for Markdown: bits/token and delta with intervals."""
+    b = result["baseline"]
+    heads = ["policy", "window", "sinks", "bits/token [95% CI]", "delta [95% CI]"]
+    rows = [[b["label"], "-", "-", f"{b['bits_per_token']:.4f} [{b['ci'][0]:.4f}, {b['ci'][1]:.4f}]", "-"]]
+    kind = "window" if result["mode"] == "window" else "W on global layers"
+    rows += [[kind, r["window"], r["sinks"], f"{r['bits_per_token']:.4f} [{r['ci'][0]:.4f}, {r['ci'][1]:.4f}]",
+              f"{r['delta_bits']:+.4f} [{r['delta_ci'][0]:+.4f}, {r['delta_ci'][1]:+.4f}]"] for r in result["rows"]]
+    return heads, rows
+
+
 def plot_quality(result: dict, path) -> None:
-    """bits/token vs window, one line per sinks value, dashed baseline."""
+    """bits/token vs window, one line per sinks value, dashed baseline; 95% intervals as bars
+    (the baseline's as a band)."""
     from .plots import new_figure, save_figure
     fig, ax = new_figure()
     sinks = sorted({r["sinks"] for r in result["rows"]})
     for s in sinks:
         rs = sorted((r for r in result["rows"] if r["sinks"] == s), key=lambda r: r["window"])
-        ax.plot([r["window"] for r in rs], [r["bits_per_token"] for r in rs], marker="o",
-                label=f"window + {s} sink{'s' if s != 1 else ''}")
+        err = [[r["bits_per_token"] - r["ci"][0] for r in rs], [r["ci"][1] - r["bits_per_token"] for r in rs]]
+        ax.errorbar([r["window"] for r in rs], [r["bits_per_token"] for r in rs], yerr=err, marker="o", capsize=3,
+                    label=f"window + {s} sink{'s' if s != 1 else ''}")
     b = result["baseline"]
     ax.axhline(b["bits_per_token"], color="k", linestyle="--", label=b["label"])
+    ax.axhspan(b["ci"][0], b["ci"][1], color="k", alpha=0.08)
     ax.set_xscale("log", base=2)
     ws = sorted({r["window"] for r in result["rows"]})
     ax.set_xticks(ws, [str(w) for w in ws])
