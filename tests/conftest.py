@@ -140,3 +140,20 @@ def book_text(chars: int = 20000, name: str = "nltk_melville-moby_dick.txt") -> 
     from longattn.data import book_path
     text = book_path(name).read_text(errors="ignore")
     return text[5000: 5000 + chars]
+
+
+# ---------------------------------------------------------------- per-directory settings
+
+@pytest.fixture(autouse=True)
+def _one_thread_in_sparse(request):
+    """Tests under tests/sparse run tiny ops on one intra-op thread (on a small shared box
+    OpenMP barriers stall them). Keyed by directory here rather than in a tests/sparse/conftest.py:
+    a second conftest.py outside a package takes over the module name ``conftest`` and breaks
+    ``from conftest import ...`` in every test module collected after it."""
+    if request.node.path.parent.name != "sparse":
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -14,12 +14,10 @@ import torch
 from longattn.ops import native
 from longattn.sparse import SCSALayer
 from longattn.sparse import layer as layer_mod
-from sparse_fixtures import attn_case, decode_run, one_thread, small_cfg  # noqa: F401
+from sparse_fixtures import attn_case, decode_run, small_cfg
+from tolerance import assert_within_derived, ulps
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="needs the AVX2 kernels (x86)")
-
-EPS32 = 2.0 ** -23
-
 
 def layers(H, HKV, D, **kw):
     """(native, PyTorch, serial float64) layers with one config."""
@@ -41,9 +39,7 @@ def check_case(H, HKV, D, n, tau, seed=0, queries=2, **kw):
         b, sb = run(torch_path, q, k, v, scale)
         ref, sr = run(slow, q, k, v, scale)
         assert torch.equal(sa.opened, sb.opened) and torch.equal(sa.opened, sr.opened)
-        tol = 2 * (b.double() - ref.double()).abs().max().item() + 2 * EPS32 * vmax
-        err = (a.double() - ref.double()).abs().max().item()
-        assert err <= tol, f"{err:.3e} > {tol:.3e}"
+        assert_within_derived(a, b, ref, floor=ulps(2, vmax))  # the exp polynomial's 2 ulp
         (acc,) = fast.debug_accounting()
         assert torch.equal(acc["coverage"], torch.ones_like(acc["coverage"]))
     assert fast.counters == torch_path.counters
@@ -109,7 +105,7 @@ def test_probe_matches_torch_path_and_serial(H, HKV, D, tau, dims, keys):
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_threads_split_the_opened_clusters(threads):
-    torch.set_num_threads(threads)  # the autouse one_thread fixture restores it
+    torch.set_num_threads(threads)  # the autouse _one_thread_in_sparse fixture restores it
     layer = check_case(14, 2, 64, 1500, 0.02, seed=3, cluster_size=16)
     assert 0 < layer.counters["opened_rows"]
 

@@ -33,6 +33,7 @@ from longattn.errors import LongattnError
 from longattn.models.rope import apply_rope, rerotate, rope_cos_sin
 from longattn.policy import AttentionPolicy
 from longattn.engine.session import Session
+from tolerance import derived_bound
 
 W, S0, E0 = 6, 5, 12  # window, evicted span [S0, E0)
 D_SPAN = E0 - S0
@@ -104,14 +105,14 @@ def test_evict_equals_never_seen(models, kind):
     translation = (tr - nv).abs().max().item()
     err = (ev - nv).abs().max().item()
     assert 0 < translation < 1e-6
-    assert err <= 2 * translation, f"float64 logits: {err:.2e} > 2 x translation {translation:.2e}"
+    assert err <= derived_bound(translation), f"float64 logits: {err:.2e} > 2 x translation {translation:.2e}"
 
     ev32, toks32, _, _ = _run(m32, A + X + B, kind, span=(S0, E0))
     nv32, toks32_n, _, _ = _run(m32, A + B, kind)
     assert toks32 == toks32_n
     arith = (nv32 - nv).abs().max().item()
     err32 = (ev32 - nv).abs().max().item()
-    assert err32 <= 2 * (translation + arith), f"float32 logits: {err32:.2e} > 2 x ({translation:.2e} + {arith:.2e})"
+    assert err32 <= derived_bound(translation + arith), f"float32 logits: {err32:.2e} > 2 x ({translation:.2e} + {arith:.2e})"
 
     # cache contents right after the eviction, against the never-seen cache
     max_pos = len(A) + len(X) + len(B)
@@ -129,10 +130,11 @@ def test_evict_equals_never_seen(models, kind):
         key_err = (ke - kn)[:, :, sel].abs().max().item()
         if i == 0:
             assert key_err <= bound, f"layer 0 keys: {key_err:.2e} > re-rotation bound {bound:.2e}"
-        assert key_err <= bound + 2 * key_transl, f"layer {i} keys: {key_err:.2e}"
+        assert key_err <= derived_bound(key_transl, floor=bound), f"layer {i} keys: {key_err:.2e}"
         val_transl = (vt - vn)[:, :, sel].abs().max().item()
         val_err = (ve - vn)[:, :, sel].abs().max().item()
-        assert val_err <= 2 * val_transl + 64 * EPS64 * vn.abs().max().item(), f"layer {i} values"
+        # floor: 64 float64 ulps of the largest value (the runs feed different chunks)
+        assert val_err <= derived_bound(val_transl, floor=64 * EPS64 * vn.abs().max().item()), f"layer {i} values"
         if kind == "bounded":
             assert bool(sel.all())  # a ring holds only span-independent entries
 

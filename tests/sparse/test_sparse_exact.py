@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from longattn.ops.reference import reference_attention
 from longattn.sparse import SCSALayer
 from longattn.sparse.packing import dequantize_q8, q8_block, q8_dot_bound, quantize_q8
-from sparse_fixtures import attn_case, one_thread, small_cfg as _small_cfg  # noqa: F401
+from sparse_fixtures import attn_case, small_cfg as _small_cfg
+from tolerance import derived_tolerance, ulps
 
 H, HKV, D, N = 4, 2, 64, 1111
-EPS32 = torch.finfo(torch.float32).eps
 
 
 def small_cfg(**kw):
@@ -40,8 +40,7 @@ def ref64(q, k, v, scale):
 def fp32_budget(q, k, v, scale):
     mask = torch.ones(1, 1, 1, k.shape[2], dtype=torch.bool)
     plain = reference_attention(q.float(), k.float(), v.float(), mask, scale)
-    err = (plain.double() - ref64(q, k, v, scale)).abs().max().item()
-    return 2 * err + 4 * EPS32 * v.abs().max().item()
+    return derived_tolerance(plain, ref64(q, k, v, scale), floor=ulps(4, v.abs().max().item()))
 
 
 def data(n=N, seed=0):

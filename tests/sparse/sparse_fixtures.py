@@ -1,20 +1,17 @@
-"""Shared SCSA test fixtures: small operator settings, synthetic clustered caches, one thread.
+"""Shared SCSA test helpers: small operator settings and synthetic clustered caches.
 
 The sparse tests all build the same kind of case -- a clustered synthetic cache
 (``longattn.sparse.synthetic``), queries aimed at a few of its components, and a small
 ``SCSAConfig`` whose clusters, blocks and rebuilds are tiny enough that a cache of a few
 thousand tokens crosses every boundary. They live here once.
 
-    from sparse_fixtures import one_thread, small_cfg, attn_case, decode_run  # noqa: F401
+    from sparse_fixtures import small_cfg, attn_case, decode_run
 
-Importing ``one_thread`` into a test module makes it autouse there (pytest collects fixtures
-from module attributes).
+Every test under tests/sparse runs on one intra-op thread (the ``_one_thread_in_sparse``
+autouse fixture in tests/conftest.py).
 """
 
 from __future__ import annotations
-
-import pytest
-import torch
 
 from longattn.sparse import SCSAConfig
 from longattn.sparse.synthetic import synthetic_cache
@@ -23,18 +20,9 @@ from longattn.sparse.synthetic import synthetic_cache
 # No outliers unless a test asks (the default 8 would be half of a 16-key cluster); the tests of
 # the invariants parametrize them in.
 # dense_when_cheaper off: on caches this small the cost rule would send every calibrated layer to
-# its dense read (tests/test_sparse_cost.py tests the rule)
+# its dense read (tests/sparse/test_sparse_cost.py tests the rule)
 SMALL = dict(cluster_size=16, rebuild_interval=64, block_size=256, sink=4, recent=8, min_context=0,
              calib_steps=0, outliers=0, dense_when_cheaper=False)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops on a shared 2-core box: one intra-op thread avoids OpenMP barrier stalls."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def small_cfg(base: dict | None = None, **kw) -> SCSAConfig:

@@ -24,7 +24,8 @@ from longattn.engine.session import Session
 from longattn.sparse import SCSAConfig
 from longattn.sparse.policy import build_sparse_policy, sparse_ops
 from longattn.engine.static_step import StaticDecoder
-from test_windows import _ids
+from model_paths import ids_for
+from tolerance import derived_bound, max_err, ulps
 
 # tiny clusters and blocks so a ~100-token cache seals, rebuilds and freezes while decoding
 # (dense_when_cheaper off: on a ~100-token cache the cost rule would route every layer dense)
@@ -64,14 +65,14 @@ def tol_from_dense(m, ids):
     dense = AttentionPolicy.from_config(m.config)
     e, _ = eager_logits(m, dense, ids, PROMPT)
     st = static_logits(StaticDecoder(m, dense, max_len=ids.shape[1] + 1, compile=False), ids, PROMPT)
-    return 2 * (e - st).abs().max().item() + 4 * 2.0 ** -23 * e.abs().max().item()
+    return derived_bound(max_err(e, st), floor=ulps(4, e.abs().max().item()))
 
 
 @pytest.mark.parametrize("packing", ["q8_0", "f32"])
 @pytest.mark.parametrize("family, outliers", [("llama", 0), ("gemma3", 0), ("llama", 2)])
 def test_static_sparse_makes_the_eager_decisions(family, outliers, packing):
     m = model(family)
-    ids = _ids(1, PROMPT + STEPS, seed=3)
+    ids = ids_for(1, PROMPT + STEPS, seed=3)
     e, s = eager_logits(m, sparse_pol(m, outliers=outliers, packing=packing), ids, PROMPT)
     dec = StaticDecoder(m, sparse_pol(m, outliers=outliers, packing=packing), max_len=ids.shape[1] + 1,
                         compile=False)
@@ -86,13 +87,13 @@ def test_static_sparse_makes_the_eager_decisions(family, outliers, packing):
     taken = [ix.extra_slots.shape[1] for sc in eager_ops.values() for ix in sc.indexes]
     assert (min(taken) > 0) if outliers else (max(taken) == 0)
     if packing == "f32":  # continuous in the inputs (see the module docstring)
-        assert (st - e).abs().max().item() <= tol_from_dense(m, ids)
+        assert max_err(st, e) <= tol_from_dense(m, ids)
 
 
 def test_compiled_static_sparse_is_one_graph():
     torch._dynamo.reset()
     m = model()
-    ids = _ids(1, PROMPT + STEPS, seed=5)
+    ids = ids_for(1, PROMPT + STEPS, seed=5)
     # f32 packing: the logits are then continuous in the inputs (see the module docstring)
     eager_dec = StaticDecoder(m, sparse_pol(m, packing="f32"), max_len=ids.shape[1] + 1, compile=False)
     want = static_logits(eager_dec, ids, PROMPT)
@@ -101,7 +102,7 @@ def test_compiled_static_sparse_is_one_graph():
     with torch._dynamo.config.patch(error_on_recompile=True):
         got = static_logits(dec, ids, PROMPT)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
-    assert (got - want).abs().max().item() <= tol_from_dense(m, ids)
+    assert max_err(got, want) <= tol_from_dense(m, ids)
     assert counters(dec.sparse.layers.values())["calls"] == counters(eager_dec.sparse.layers.values())["calls"]
 
 
@@ -128,12 +129,12 @@ def test_batched_streams_equal_each_alone_and_reset_forgets():
     """Two streams of different lengths: each decodes as it would alone (same decisions; logits
     within twice what the dense policy's batched and lone runs differ by, plus 4 ulp)."""
     m = model()
-    prompts = [_ids(1, PROMPT, seed=1)[0].tolist(), _ids(1, PROMPT - 20, seed=2)[0].tolist()]
-    cont = _ids(2, 12, seed=4)
+    prompts = [ids_for(1, PROMPT, seed=1)[0].tolist(), ids_for(1, PROMPT - 20, seed=2)[0].tolist()]
+    cont = ids_for(2, 12, seed=4)
     dense_b, dense_a, _ = batched_and_alone(m, lambda: AttentionPolicy.from_config(m.config), prompts, cont)
     out, alone, dec = batched_and_alone(m, lambda: sparse_pol(m), prompts, cont, warmup=True)
-    tol = 2 * (dense_b - dense_a).abs().max().item() + 4 * 2.0 ** -23 * alone.abs().max().item()
-    assert (out - alone).abs().max().item() <= tol
+    tol = derived_bound(max_err(dense_b, dense_a), floor=ulps(4, alone.abs().max().item()))
+    assert max_err(out, alone) <= tol
     # reset: a new sequence starts from empty indexes and decodes as the first one did;
     # the calibrated taus stay (no second calibration)
     taus = {k: sc.taus.clone() for k, sc in dec.sparse.layers.items()}

@@ -12,37 +12,15 @@ from longattn.errors import LongattnError
 from longattn.ops.masks import allowed_mask
 from longattn.policy import AttentionPolicy
 from longattn.engine.session import Session
-
-T = 29
-
-
-def _ids(B=1, T=T, seed=0, vocab=96):
-    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
-
-
-def run_path(model, policy, ids, path):
-    """Logits [B, T, V] of ``ids`` through one of the attention sites."""
-    if path == "forward":
-        return model(ids, policy=policy)
-    s = Session(model, policy, batch=ids.shape[0])
-    if path == "chunked":
-        return s.prefill(ids, chunk=7, logits="all")
-    if path == "step":
-        out = [s.prefill(ids[:, :1], logits="all")[:, 0]]
-        for t in range(1, ids.shape[1]):
-            out.append(s.step(ids[:, t]))
-        return torch.stack(out, 1)
-    raise ValueError(path)
-
-
-PATHS = ["forward", "chunked", "step"]
+from model_paths import PATHS, T, assert_paths_agree, assert_streams_agree, ids_for, run_path
+from tolerance import LOGIT_FLOOR, assert_within_derived
 
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_unset_and_wide_window_are_dense_bit_for_bit(family, path):
     m = tiny_model(family)
-    ids = _ids()
+    ids = ids_for()
     dense = run_path(m, AttentionPolicy.build(m.config, "layers", windows=[None] * m.config.num_layers), ids, path)
     unset = run_path(m, AttentionPolicy([type(AttentionPolicy.from_config(m.config).layers[0])()] *
                                         m.config.num_layers), ids, path)
@@ -56,7 +34,7 @@ def test_unset_and_wide_window_are_dense_bit_for_bit(family, path):
 @pytest.mark.parametrize("path", PATHS)
 def test_real_window_changes_output(path):
     m = tiny_model("llama")
-    ids = _ids()
+    ids = ids_for()
     dense = run_path(m, AttentionPolicy.build(m.config, "dense"), ids, path)
     win = run_path(m, AttentionPolicy.build(m.config, "window", window=6), ids, path)
     delta = (dense - win).abs().max().item()
@@ -76,18 +54,6 @@ def test_all_paths_agree(family, window, sinks):
     assert_paths_agree(m, m64, pol)
 
 
-def assert_paths_agree(m, m64, pol):
-    """Chunked prefill and step decode within twice the full forward's error against the
-    float64 model ``m64`` (the plain reference error of this arithmetic)."""
-    ids = _ids(2, seed=5)
-    ref = m64(ids, policy=pol)
-    full = run_path(m, pol, ids, "forward")
-    tol = 2 * (full.double() - ref).abs().max().item() + 1e-6
-    for p in ("chunked", "step"):
-        err = (run_path(m, pol, ids, p).double() - ref).abs().max().item()
-        assert err <= tol, f"{p}: {err:.2e} > {tol:.2e}"
-
-
 @pytest.mark.parametrize("family,window,sinks", [("llama", None, 0), ("gemma3", None, 0), ("llama", 4, 2)])
 def test_streams_batched_equal_each_alone(family, window, sinks):
     """Streams of different lengths prefilled and decoded together == each alone."""
@@ -96,26 +62,6 @@ def test_streams_batched_equal_each_alone(family, window, sinks):
     pol = AttentionPolicy.from_config(m.config) if window is None else \
         AttentionPolicy.build(m.config, "window", window=window, sinks=sinks)
     assert_streams_agree(m, m64, pol, lens=[5, 17, 11], steps=6)
-
-
-def assert_streams_agree(m, m64, pol, lens, steps):
-    """Streams of ``lens`` prompt tokens prefilled (chunk 4) and decoded ``steps`` tokens
-    together stay within twice each stream's own full-forward error against ``m64``."""
-    n = len(lens)
-    prompts = [_ids(1, k, seed=10 + i)[0].tolist() for i, k in enumerate(lens)]
-    cont = [_ids(1, steps, seed=20 + i)[0] for i in range(n)]
-    s = Session(m, pol, batch=n)
-    batched = [s.prefill(prompts, chunk=4)[:, 0]]
-    for t in range(steps):
-        batched.append(s.step(torch.stack([c[t] for c in cont])))
-    batched = torch.stack(batched, 1)  # [n, steps + 1, V]
-    for b in range(n):
-        full = torch.tensor([prompts[b] + cont[b].tolist()])
-        ref = m64(full, policy=pol)[0, lens[b] - 1: lens[b] + steps]
-        alone = m(full, policy=pol)[0, lens[b] - 1: lens[b] + steps]
-        tol = 2 * (alone.double() - ref).abs().max().item() + 1e-6
-        err = (batched[b].double() - ref).abs().max().item()
-        assert err <= tol, f"stream {b}: {err:.2e} > {tol:.2e}"
 
 
 @pytest.mark.parametrize("W,S", list(itertools.product([1, 2, 5], [0, 1, 3])))
@@ -133,7 +79,7 @@ def test_sinks_reach_in_model():
     """With window 3 and 2 sinks, a 1-layer-deep change outside window+sinks is invisible."""
     m = tiny_model("llama", num_hidden_layers=1)
     pol = AttentionPolicy.build(m.config, "window", window=3, sinks=2)
-    a = _ids(1, 12, seed=7)
+    a = ids_for(1, 12, seed=7)
     b = a.clone()
     b[0, 4] = (b[0, 4] + 1) % 96          # position 4: outside the window of query 11, not a sink
     c = a.clone()
@@ -163,7 +109,7 @@ def test_model_prefill_takes_banded_path_and_agrees():
     import longattn.ops.banded as banded_mod
     m = tiny_model("gemma3")
     m64 = tiny_model("gemma3", dtype=torch.float64)
-    ids = _ids(1, 70, seed=9)
+    ids = ids_for(1, 70, seed=9)
     calls = []
     orig = banded_mod.banded_attention
 
@@ -178,8 +124,7 @@ def test_model_prefill_takes_banded_path_and_agrees():
     plain = m(ids, policy=AttentionPolicy.from_config(m.config, banded_min_tokens=None))
     ref = m64(ids, policy=AttentionPolicy.from_config(m.config, banded_min_tokens=None))
     assert calls == [8, 8, 8, 8]  # the four local layers, window 8
-    tol = 2 * (plain.double() - ref).abs().max().item() + 1e-6
-    assert (fast.double() - ref).abs().max().item() <= tol
+    assert_within_derived(fast, plain, ref, floor=LOGIT_FLOOR)
 
 
 def test_mask_memo_shared_across_layers_fresh_per_step():
@@ -192,13 +137,13 @@ def test_mask_memo_shared_across_layers_fresh_per_step():
     pol, ref_pol = (AttentionPolicy.from_config(m.config, fused_decode=False) for _ in range(2))
     groups = len({(lp.window, lp.sinks) for lp in pol.layers})
     assert 1 < groups < L  # local (window 8) and global layers
-    ids = _ids(1, 14, seed=3)  # 14 <= 16 tokens: every layer takes the masked path
+    ids = ids_for(1, 14, seed=3)  # 14 <= 16 tokens: every layer takes the masked path
     s, ref = Session(m, pol), Session(m, ref_pol)
     got, want = s.prefill(ids), ref.prefill(ids)
     assert torch.equal(got, want)
     assert (pol.masks.misses, pol.masks.hits) == (groups, L - groups)
     for t in range(3):  # positions 14, 15, 16
-        tok = _ids(1, 1, seed=10 + t)[:, 0]
+        tok = ids_for(1, 1, seed=10 + t)[:, 0]
         ref_pol.masks.clear()
         want = ref.step(tok)
         misses, hits = pol.masks.misses, pol.masks.hits

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from longattn.errors import LongattnError
 from longattn.sparse import SCSAConfig, SCSALayer
 from longattn.sparse.calibrate import Calibrator, group_error, relative_error
-from sparse_fixtures import decode_run, one_thread, small_cfg as _small_cfg  # noqa: F401
+from sparse_fixtures import decode_run, small_cfg as _small_cfg
 
 H, HKV, D = 8, 2, 64
 START, STEPS = 2000, 32

@@ -9,7 +9,7 @@ import torch
 from longattn.sparse import SCSALayer
 from longattn.sparse.kernel import NEG_INF, stop_counts
 from longattn.sparse.tree import build_tree, similarity_order
-from sparse_fixtures import attn_case, one_thread, small_cfg as _small_cfg  # noqa: F401
+from sparse_fixtures import attn_case, small_cfg as _small_cfg
 
 H, HKV, D, N = 6, 2, 32, 1203
 

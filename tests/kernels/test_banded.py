@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from longattn.errors import LongattnError
 from longattn.ops import allowed_mask, masked_attention, reference_attention
 from longattn.ops.banded import banded_attention, default_block_size, plan_blocks
+from tolerance import derived_bound, max_err, ulps
 
-EPS = torch.finfo(torch.float32).eps  # 1.19e-7
+ONE_ULP = ulps(1, 1.0)  # the docstring's one fp32 ulp at 1.0
 
 
 def _inputs(B, H, Hkv, Tq, Tk, D, seed=0):
@@ -37,7 +38,7 @@ def _errors(B, H, Hkv, Tq, Tk, D, window, sinks, block_size=None, seed=0):
     plain = masked_attention(q32, k32, v32, mask, scale)
     out = banded_attention(q32, k32, v32, window, sinks, block_size=block_size)
     assert out.shape == (B, H, Tq, D) and out.dtype == torch.float32
-    return (out.double() - ref).abs().max().item(), (plain.double() - ref).abs().max().item()
+    return max_err(out, ref), max_err(plain, ref)
 
 
 CASES = [
@@ -64,13 +65,13 @@ CASES = [
 def test_banded_matches_reference_within_twice_fp32_error(B, H, Hkv, Tq, Tk, D, window, sinks,
                                                           block_size):
     err, err_plain = _errors(B, H, Hkv, Tq, Tk, D, window, sinks, block_size)
-    assert err <= 2 * err_plain + EPS, (err, err_plain)
+    assert err <= derived_bound(err_plain, floor=ONE_ULP), (err, err_plain)
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 7, 16, 64, 1000])
 def test_any_block_size_gives_the_same_answer(block_size):
     err, err_plain = _errors(1, 4, 2, 45, 60, 8, 12, 3, block_size, seed=3)
-    assert err <= 2 * err_plain + EPS
+    assert err <= derived_bound(err_plain, floor=ONE_ULP)
 
 
 def test_unset_window_is_bitwise_full_causal():

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from longattn.sparse import SCSALayer
-from sparse_fixtures import attn_case, one_thread, small_cfg as _small_cfg  # noqa: F401
+from sparse_fixtures import attn_case, small_cfg as _small_cfg
 
 H, HKV, D = 4, 2, 32
 

@@ -12,6 +12,7 @@ import torch
 from longattn.ops import native
 from longattn.ops.masks import allowed_mask
 from longattn.ops.attention import attend_buffer_and_self
+from tolerance import assert_within_derived, ulps
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="needs the AVX2 kernels (x86)")
 
@@ -37,9 +38,7 @@ def check(q, k, v, k_pos, q_pos, k_new, v_new, window, sinks):
     out = torch.ops.longattn_cpu.decode_attention(q, k, v, k_pos, q_pos, k_new, v_new, window or 0, sinks, scale)
     assert out.shape == q.shape and out.dtype == torch.float32
     vmax = max(v.abs().max().item(), v_new.abs().max().item())
-    tol = 2 * (plain.double() - ref).abs().max().item() + 2 * 2.0 ** -23 * vmax
-    err = (out.double() - ref).abs().max().item()
-    assert err <= tol, f"{err:.2e} > {tol:.2e}"
+    assert_within_derived(out, plain, ref, floor=ulps(2, vmax))  # the exp polynomial's 2 ulp
     return out
 
 

@@ -6,7 +6,6 @@ from hypothesis import example, given, settings, strategies as st
 
 from longattn.sparse.packing import (QUERY_MAX, dequantize_q8, make_store, q8_block, q8_dot, q8_dot_bound,
                                     quantize_q8, quantize_query)
-from sparse_fixtures import one_thread  # noqa: F401  (autouse)
 
 
 def test_block_size_follows_head_dim():

@@ -9,7 +9,7 @@ import torch
 
 from longattn.sparse import SCSALayer
 from longattn.sparse.clustering import cluster_block, outlier_counts, summarize
-from sparse_fixtures import attn_case, one_thread, small_cfg  # noqa: F401
+from sparse_fixtures import attn_case, small_cfg
 
 HKV, D = 2, 32
 

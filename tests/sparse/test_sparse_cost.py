@@ -10,7 +10,7 @@ from longattn.sparse import SCSAConfig, SCSALayer
 from longattn.sparse import cost
 from longattn.sparse.calibrate import Calibrator
 from longattn.sparse.synthetic import synthetic_cache
-from sparse_fixtures import attn_case, one_thread, small_cfg  # noqa: F401
+from sparse_fixtures import attn_case, small_cfg
 
 H, HKV, D = 4, 2, 32
 

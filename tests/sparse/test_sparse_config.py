@@ -7,7 +7,6 @@ import torch
 
 from longattn.errors import LongattnError
 from longattn.sparse import SCSAConfig, SCSALayer
-from sparse_fixtures import one_thread  # noqa: F401  (autouse)
 
 
 @pytest.mark.parametrize("kwargs, needle", [

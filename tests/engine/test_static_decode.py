@@ -12,7 +12,8 @@ from longattn.models import transformer
 from longattn.ops import native
 from longattn.policy import AttentionPolicy
 from longattn.engine.static_step import StaticDecoder
-from test_windows import _ids
+from model_paths import ids_for
+from tolerance import LOGIT_FLOOR, derived_tolerance, max_err
 
 
 tiny = tiny_formats
@@ -35,7 +36,7 @@ def reference_and_tol(m, m64, pol, ids, n):
     """Float64 logits from position n-1 on, and twice the full forward's error against them."""
     ref = m64(ids, policy=pol)[:, n - 1:]
     full = m(ids, policy=pol)[:, n - 1:]
-    return ref, 2 * (full.double() - ref).abs().max().item() + 1e-6
+    return ref, derived_tolerance(full, ref, floor=LOGIT_FLOOR)
 
 
 CASES = [("llama", 5, 2, "f32", False, "matmul"), ("llama", 5, 2, "int8", False, "matmul"),
@@ -61,7 +62,7 @@ def test_static_decode_agrees_with_reference(monkeypatch, family, window, sinks,
     monkeypatch.setattr(transformer, "WIDEN_ROWS", 1 << 30)  # forward = the decode kernels
     m, m64 = tiny(family, weights)
     pol = policy_for(m.config, window, sinks)
-    ids = _ids(2, T=24, seed=3)
+    ids = ids_for(2, T=24, seed=3)
     n = 6  # 18 decode steps: rings of 5 or 8 slots wrap more than once
     ref, tol = reference_and_tol(m, m64, pol, ids, n)
     if compiled:
@@ -72,7 +73,7 @@ def test_static_decode_agrees_with_reference(monkeypatch, family, window, sinks,
     if attention == "fused":  # the C++ kernel really runs where it is built
         assert all(op.kernel == "fused" for op in dec._policy.ops) == native.available()
     out = decode_logits(dec, ids, n)
-    err = (out.double() - ref).abs().max().item()
+    err = max_err(out, ref)
     assert err <= tol, f"{err:.2e} > {tol:.2e}"
     if compiled:
         assert counters["stats"]["unique_graphs"] == 1  # one graph for all 18 steps, no recompiles
@@ -83,7 +84,7 @@ def test_compiled_step_never_recompiles_past_the_first(options):
     torch._dynamo.reset()
     m, _ = tiny("llama", "f32")
     dec = StaticDecoder(m, policy_for(m.config, 4, 1), max_len=64, compile=True, inductor_options=options)
-    ids = _ids(1, T=20, seed=9)
+    ids = ids_for(1, T=20, seed=9)
     dec.prefill(ids[:, :3])
     dec.step(ids[:, 3])
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -95,8 +96,8 @@ def test_compiled_step_never_recompiles_past_the_first(options):
 def test_static_batched_streams_equal_each_alone(attention):
     m, _ = tiny("llama", "f32")
     pol = policy_for(m.config, 4, 2)
-    prompts = [_ids(1, 9, seed=1)[0].tolist(), _ids(1, 3, seed=2)[0].tolist()]
-    cont = _ids(2, 6, seed=4)
+    prompts = [ids_for(1, 9, seed=1)[0].tolist(), ids_for(1, 3, seed=2)[0].tolist()]
+    cont = ids_for(2, 6, seed=4)
     dec = StaticDecoder(m, pol, batch=2, max_len=32, compile=False, attention=attention)
     out = [dec.prefill(prompts)[:, 0]] + [dec.step(cont[:, t]) for t in range(6)]
     out = torch.stack(out, 1)
@@ -126,7 +127,7 @@ def test_warmup_leaves_no_trace(attention):
     bit-identical to decoding without it."""
     m, _ = tiny("llama", "f32")
     pol = policy_for(m.config, 4, 1)
-    ids = _ids(1, T=10, seed=7)
+    ids = ids_for(1, T=10, seed=7)
     cold = StaticDecoder(m, pol, max_len=16, compile=False, attention=attention)
     warm = StaticDecoder(m, pol, max_len=16, compile=False, attention=attention)
     assert warm.warmup() > 0
@@ -140,13 +141,13 @@ def test_dynamic_decoder_reuses_its_graph_across_lengths():
     m, m64 = tiny("llama", "f32")
     pol = policy_for(m.config, None, 0)
     dec = StaticDecoder(m, pol, max_len=16, compile=True, dynamic=True)
-    ids = _ids(1, T=12, seed=11)
+    ids = ids_for(1, T=12, seed=11)
     decode_logits(dec, ids, 4)
     dec.reset(24)
     with torch._dynamo.config.patch(error_on_recompile=True):
         out = decode_logits(dec, ids, 4)
     ref, tol = reference_and_tol(m, m64, pol, ids, 4)
-    assert (out.double() - ref).abs().max().item() <= tol
+    assert max_err(out, ref) <= tol
 
 
 def test_many_decoders_each_get_their_graph():
