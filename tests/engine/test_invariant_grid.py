@@ -10,7 +10,9 @@ newly registered op or cache kind gets these checks without a line here:
 - paths agree: with its hyperparameters set, chunked prefill and step decode are within the
   derived tolerance (tests/tolerance.py) of the full forward's error against a float64 run;
 - batched == alone: several streams prefilled and decoded together are each within the
-  derived tolerance of that stream's own full forward.
+  derived tolerance of that stream's own full forward;
+- trimmed == kept: step decode that drops, after every step, the slots no later query reads
+  (``cache.trim_to_window``) stays within the derived tolerance too.
 
 A cache kind that cannot hold a policy (a bounded cache under a layer without a window) is
 checked to refuse it with one LongattnError line instead. ``KIND_SETTINGS`` gives a kind the settings that make
@@ -24,10 +26,11 @@ import torch
 
 import longattn.sparse_policy  # noqa: F401  (registers the "sparse" op kind)
 from conftest import tiny_model
-from longattn.cache import LAYER_CACHES, make_cache
+from longattn.cache import LAYER_CACHES, make_cache, trim_to_window
 from longattn.cache.hybrid import CACHE_KINDS
 from longattn.errors import LongattnError
 from longattn.policy import OP_REGISTRY, AttentionPolicy, LayerPolicy
+from longattn.session import Session
 from longattn.sparse import SCSAConfig
 from model_paths import PATHS, assert_streams_agree, ids_for, run_path
 from tolerance import LOGIT_FLOOR, assert_within_derived
@@ -129,3 +132,26 @@ def test_batched_equals_alone(kind, cache_kind):
         return
     lens = KIND_SETTINGS.get(kind, {}).get("lens", [5, 17, 11])
     assert_streams_agree(m, m64, pol, lens=lens, steps=6, cache_factory=cache_factory(m, pol, cache_kind))
+
+
+@pytest.mark.parametrize("cache_kind", CACHE_KINDS)
+@pytest.mark.parametrize("kind", OP_KINDS)
+def test_trimmed_step_decode_agrees(kind, cache_kind):
+    m, m64 = tiny_model(FAMILY), tiny_model(FAMILY, dtype=torch.float64)
+    pol = active_policy(m.config, kind)
+    if refused(m, pol, cache_kind):
+        return
+    ids = ids_for(2, seed=7)
+    ref = m64(ids, policy=active_policy(m.config, kind))
+    full = run_path(m, active_policy(m.config, kind), ids, "forward")
+    cache = cache_factory(m, pol, cache_kind)(2)
+    s = Session(m, pol, cache)
+    out = [s.prefill(ids[:, :1], logits="all")[:, 0]]
+    for t in range(1, ids.shape[1]):
+        trim_to_window(cache, pol)
+        out.append(s.step(ids[:, t]))
+    assert_within_derived(torch.stack(out, 1), full, ref, floor=LOGIT_FLOOR, what=f"{kind} / {cache_kind}")
+    trim_to_window(cache, pol)
+    for layer, lp in zip(cache.layers, pol.layers):  # the windowed layers really are trimmed
+        if lp.kind == "window" and lp.window:
+            assert layer.tokens() <= lp.window + lp.sinks
