@@ -24,13 +24,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import longattn.sparse_policy  # noqa: F401  (registers the "sparse" op kind)
+import longattn.sparse.policy  # noqa: F401  (registers the "sparse" op kind)
 from conftest import tiny_model
 from longattn.cache import LAYER_CACHES, make_cache, trim_to_window
 from longattn.cache.hybrid import CACHE_KINDS
+from longattn.engine.session import Session
 from longattn.errors import LongattnError
 from longattn.policy import OP_REGISTRY, AttentionPolicy, LayerPolicy
-from longattn.session import Session
 from longattn.sparse import SCSAConfig
 from model_paths import PATHS, assert_streams_agree, ids_for, run_path
 from tolerance import LOGIT_FLOOR, assert_within_derived

@@ -1,4 +1,4 @@
-"""The fixed-shape decode step (static_decode.StaticDecoder), eager and compiled, in each
+"""The fixed-shape decode step (engine/static_step.py StaticDecoder), eager and compiled, in each
 weight format: it agrees with the float64 reference as the eager paths do (within twice the
 plain full forward's error), across a ring wrap and with sinks; batched streams equal each
 alone; and compiling traces one graph that never recompiles while decoding."""
