@@ -144,13 +144,18 @@ def book_text(chars: int = 20000, name: str = "nltk_melville-moby_dick.txt") -> 
 
 # ---------------------------------------------------------------- per-directory settings
 
+# Folders whose tests run tiny ops: one intra-op thread there (on a small shared box a second
+# thread only adds OpenMP wake-ups and barrier stalls).
+ONE_THREAD_DIRS = ("sparse", "cache")
+
+
 @pytest.fixture(autouse=True)
-def _one_thread_in_sparse(request):
-    """Tests under tests/sparse run tiny ops on one intra-op thread (on a small shared box
-    OpenMP barriers stall them). Keyed by directory here rather than in a tests/sparse/conftest.py:
-    a second conftest.py outside a package takes over the module name ``conftest`` and breaks
-    ``from conftest import ...`` in every test module collected after it."""
-    if request.node.path.parent.name != "sparse":
+def _one_thread_for_tiny_ops(request):
+    """One intra-op thread for tests under ``ONE_THREAD_DIRS``. Keyed by folder here rather
+    than in a conftest.py per folder: a second conftest.py outside a package takes over the
+    module name ``conftest`` and breaks ``from conftest import ...`` in every test module
+    collected after it."""
+    if request.node.path.parent.name not in ONE_THREAD_DIRS:
         yield
         return
     n = torch.get_num_threads()

@@ -40,15 +40,6 @@ D_SPAN = E0 - S0
 EPS64 = torch.finfo(torch.float64).eps
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: a second thread only adds wake-up latency (and the cores are shared)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def models():
     return {torch.float64: tiny_model("llama", dtype=torch.float64),

@@ -21,15 +21,6 @@ from longattn.policy import AttentionPolicy
 from longattn.engine.session import Session
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: a second thread only adds wake-up latency (and the cores are shared)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _storage_bytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes()
 
@@ -236,7 +227,7 @@ def test_real_gemma3_270m_cache_sizes_against_transformers(capsys):
                     k, _, p = tee.layers[i].view()
                     order = torch.argsort(p[0])[1:]
                     assert torch.equal(k[:, :, order], theirs.layers[i].keys)
-            # the formula, to the byte, against both caches (issue: window lab)
+            # the lab's formula, to the byte, against both caches
             from longattn.lab import hybrid_cache_bytes
             assert hybrid_cache_bytes(cfg, n) == sum(mine)
             assert hybrid_cache_bytes(cfg, n, convention="transformers") == sum(logical)

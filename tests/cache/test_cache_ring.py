@@ -29,15 +29,6 @@ TOL = 1e-10
 H, HKV, D = 4, 2, 8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: a second thread only adds wake-up latency (and the cores are shared)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _stream(B, P, seed=0):
     """Random float64 q [B, H, P, D], k/v [B, Hkv, P, D]; index = absolute position."""
     g = torch.Generator().manual_seed(seed)

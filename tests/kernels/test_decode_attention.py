@@ -126,7 +126,7 @@ def test_avx512_form_equals_the_avx2_form(B, H, Hkv, S, D, window, sinks):
 
 def test_automatic_form_keeps_the_avx2_loops_on_amd():
     """Forcing a form applies to the dense attention too; left automatic it takes the AVX-512
-    loops only on an AVX-512 CPU that is not AMD (Zen 4 ran them 1.24-1.37x slower, session 20),
+    loops only on an AVX-512 CPU that is not AMD (they are slower on Zen 4; docs/benchmarks.md),
     while SCSA's and the int4 GEMV's automatic forms stay AVX-512 wherever the CPU has it."""
     has = native.avx512(None)
     vendor = next((ln.split(":")[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("vendor_id")), "")

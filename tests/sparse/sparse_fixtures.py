@@ -7,7 +7,7 @@ thousand tokens crosses every boundary. They live here once.
 
     from sparse_fixtures import small_cfg, attn_case, decode_run
 
-Every test under tests/sparse runs on one intra-op thread (the ``_one_thread_in_sparse``
+Every test under tests/sparse runs on one intra-op thread (the ``_one_thread_for_tiny_ops``
 autouse fixture in tests/conftest.py).
 """
 

@@ -105,7 +105,7 @@ def test_probe_matches_torch_path_and_serial(H, HKV, D, tau, dims, keys):
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_threads_split_the_opened_clusters(threads):
-    torch.set_num_threads(threads)  # the autouse _one_thread_in_sparse fixture restores it
+    torch.set_num_threads(threads)  # the autouse _one_thread_for_tiny_ops fixture restores it
     layer = check_case(14, 2, 64, 1500, 0.02, seed=3, cluster_size=16)
     assert 0 < layer.counters["opened_rows"]
 
