@@ -82,6 +82,20 @@ def refused(model, policy, cache_kind) -> bool:
     return must
 
 
+def models_for(kind, cache_kind):
+    """(float32, float64) tiny models, or None where ``cache_kind`` must refuse the kind's
+    active policy (and is checked to)."""
+    m, m64 = tiny_model(FAMILY), tiny_model(FAMILY, dtype=torch.float64)
+    return None if refused(m, active_policy(m.config, kind), cache_kind) else (m, m64)
+
+
+def full_and_ref(m, m64, kind, ids):
+    """The plain float32 full forward's logits and the float64 model's, each under a fresh
+    active policy of ``kind``."""
+    return (run_path(m, active_policy(m.config, kind), ids, "forward"),
+            m64(ids, policy=active_policy(m.config, kind)))
+
+
 def test_every_layer_cache_is_reached_by_a_cache_kind():
     """Each registered layer cache is built by some factory kind, so the grid exercises it."""
     m = tiny_model(FAMILY)
@@ -109,12 +123,11 @@ def test_unset_equals_dense_bit_for_bit(kind, cache_kind, path):
 def test_paths_agree(kind, cache_kind):
     """Chunked prefill and step decode (a fresh policy each, so no op state is shared) within
     the derived tolerance of the full forward's error against the float64 model."""
-    m, m64 = tiny_model(FAMILY), tiny_model(FAMILY, dtype=torch.float64)
-    if refused(m, active_policy(m.config, kind), cache_kind):
+    if (models := models_for(kind, cache_kind)) is None:
         return
+    m, m64 = models
     ids = ids_for(2, seed=5)
-    ref = m64(ids, policy=active_policy(m.config, kind))
-    full = run_path(m, active_policy(m.config, kind), ids, "forward")
+    full, ref = full_and_ref(m, m64, kind, ids)
     for p in ("chunked", "step"):
         pol = active_policy(m.config, kind)
         out = run_path(m, pol, ids, p, cache_factory(m, pol, cache_kind))
@@ -126,10 +139,10 @@ def test_paths_agree(kind, cache_kind):
 @pytest.mark.parametrize("cache_kind", CACHE_KINDS)
 @pytest.mark.parametrize("kind", OP_KINDS)
 def test_batched_equals_alone(kind, cache_kind):
-    m, m64 = tiny_model(FAMILY), tiny_model(FAMILY, dtype=torch.float64)
-    pol = active_policy(m.config, kind)
-    if refused(m, pol, cache_kind):
+    if (models := models_for(kind, cache_kind)) is None:
         return
+    m, m64 = models
+    pol = active_policy(m.config, kind)
     lens = KIND_SETTINGS.get(kind, {}).get("lens", [5, 17, 11])
     assert_streams_agree(m, m64, pol, lens=lens, steps=6, cache_factory=cache_factory(m, pol, cache_kind))
 
@@ -137,13 +150,12 @@ def test_batched_equals_alone(kind, cache_kind):
 @pytest.mark.parametrize("cache_kind", CACHE_KINDS)
 @pytest.mark.parametrize("kind", OP_KINDS)
 def test_trimmed_step_decode_agrees(kind, cache_kind):
-    m, m64 = tiny_model(FAMILY), tiny_model(FAMILY, dtype=torch.float64)
-    pol = active_policy(m.config, kind)
-    if refused(m, pol, cache_kind):
+    if (models := models_for(kind, cache_kind)) is None:
         return
+    m, m64 = models
     ids = ids_for(2, seed=7)
-    ref = m64(ids, policy=active_policy(m.config, kind))
-    full = run_path(m, active_policy(m.config, kind), ids, "forward")
+    full, ref = full_and_ref(m, m64, kind, ids)
+    pol = active_policy(m.config, kind)
     cache = cache_factory(m, pol, cache_kind)(2)
     s = Session(m, pol, cache)
     out = [s.prefill(ids[:, :1], logits="all")[:, 0]]
