@@ -202,3 +202,25 @@ def three_ways(model, ids: torch.Tensor, chunk: int = 16, prefill: int = 32, hf:
     chunked = run([(a, min(T, a + chunk)) for a in range(0, T, chunk)])
     steps = run([(0, prefill)] + [(t, t + 1) for t in range(prefill, T)])
     return {"full": full, "chunked": chunked, "step": steps}
+
+
+# ---------------------------------------------------------------- per-directory settings
+
+# Folders whose tests run tiny ops: one intra-op thread there (on a small shared box a second
+# thread only adds OpenMP wake-ups and barrier stalls).
+ONE_THREAD_DIRS = ("sparse", "cache")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_for_tiny_ops(request):
+    """One intra-op thread for tests under ``ONE_THREAD_DIRS``. Keyed by folder here rather
+    than in a conftest.py per folder: a second conftest.py outside a package takes over the
+    module name ``conftest`` and breaks ``from conftest import ...`` in every test module
+    collected after it."""
+    if request.node.path.parent.name not in ONE_THREAD_DIRS:
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

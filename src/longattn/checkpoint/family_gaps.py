@@ -1,7 +1,7 @@
 """Facts a checkpoint file does not carry, filled from each family's published config.
 
 This is the ONE place where longattn supplies architecture data that the file lacks.
-Everything here is checked against transformers in the tests (tests/test_oracle_real.py).
+Everything here is checked against transformers in the tests (tests/core/test_oracle_real.py).
 
 Gemma 3 GGUF files store ``sliding_window`` (512) and a single rope base (the global one,
 1e6), but neither the local/global layer pattern nor the local rope base. The published

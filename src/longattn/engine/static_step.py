@@ -15,7 +15,7 @@ positions; by default inside longattn's fused C++ kernel, ops/csrc/decode_attent
 the step's own new key, in one softmax, and returns the new keys; they are written by index
 (``scatter_``, one per group) after the step. (Written inside the graph, inductor would copy every
 buffer whole on every step.) Shapes never change and nothing branches on tensor values: one graph
-for the whole decode, no recompilation (tests/test_static_decode.py counts them).
+for the whole decode, no recompilation (tests/engine/test_static_decode.py counts them).
 
 Sparse (SCSA) layers keep full-attention buffers and call one opaque custom op
 (sparse/static_op.py): the index, calibration and selection run behind it at run time, so the

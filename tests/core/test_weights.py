@@ -1,0 +1,333 @@
+"""Weight formats (f32, bf16, int8, int4): the quantizers, the int8 and int4 kernels against
+exact references, every attention site under each format, and int8's and int4's quality cost
+on a real model.
+
+Tolerances: a quantized model is compared with a float64 model built from the weights it
+really multiplies by (``effective_state_dict``). With WIDEN_ROWS raised the full forward runs
+the decode kernels too, so its error is the plain reference error of that arithmetic; the
+cached paths must stay within twice it (as in test_windows.py).
+"""
+
+import pytest
+import torch
+
+from conftest import tiny_formats
+from longattn.errors import LongattnError
+from longattn.models import build_model
+from longattn.models import transformer
+from longattn.ops import int8_kernel
+from longattn.models.weights import (INT4_GROUP, dequantize_int4, dequantize_int8, int4_matmul, int8_matmul,
+                                     parse_weights, quantize_activations, quantize_int4, quantize_int8)
+from longattn.policy import AttentionPolicy
+from model_paths import assert_paths_agree, assert_streams_agree, ids_for, run_path
+from tolerance import TIE_FLOOR, assert_within_derived
+
+FORMATS = ["f32", "bf16", "int8", "int4"]
+tiny = tiny_formats
+
+
+def test_quantize_int8_roundtrip_error_is_half_a_step():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(37, 50, generator=g) * torch.logspace(-3, 1, 37)[:, None]
+    w[5] = 0.0
+    q, s = quantize_int8(w)
+    assert q.dtype == torch.int8 and s.shape == (37,)
+    assert int(q.abs().max()) <= 127
+    err = (dequantize_int8(q, s) - w).abs()
+    assert torch.all(err <= s[:, None] / 2 * (1 + 1e-6))
+    assert torch.equal(dequantize_int8(q, s)[5], torch.zeros(50))
+    # the largest entry of each non-zero row is represented exactly at +-127
+    assert torch.equal(q.abs().amax(1)[torch.arange(37) != 5], torch.full((36,), 127, dtype=torch.int8))
+
+
+def test_parse_weights_names_and_errors():
+    assert parse_weights("bfloat16") == "bf16" and parse_weights(torch.float32) == "f32"
+    assert parse_weights("INT8") == "int8" and parse_weights("q4") == "int4"
+    with pytest.raises(LongattnError, match="f32, bf16, int8, int4"):
+        parse_weights("fp8")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_aten_int8_kernel_matches_exact_reference(rows):
+    """aten._weight_int8pack_mm (the fallback) rounds x to bf16, accumulates in float32, rounds
+    the output to bf16: the bound is half a bf16 ulp of the output plus K float32 roundings of
+    the sum of |terms|, against float64 arithmetic on the same bf16 inputs."""
+    g = torch.Generator().manual_seed(rows)
+    K, N = 96, 70
+    x = torch.randn(rows, K, generator=g)
+    q, s = quantize_int8(torch.randn(N, K, generator=g))
+    sb = s.to(torch.bfloat16)
+    y = int8_matmul(x, q, s, sb, kernel="aten")
+    xb = x.to(torch.bfloat16).double()
+    w = q.double() * sb.double()[:, None]
+    ref = xb @ w.T
+    bound = 2.0 ** -8 * ref.abs() + K * 2.0 ** -23 * (xb.abs() @ w.abs().T) + 1e-30
+    assert y.dtype == torch.float32 and y.shape == (rows, N)
+    assert torch.all((y.double() - ref).abs() <= bound)
+
+
+def test_avx2_int8_kernel_is_built_where_the_cpu_has_avx2():
+    """The fast kernel must really run on x86 CI machines, not silently fall back."""
+    if torch.backends.cpu.get_cpu_capability() in int8_kernel.AVX2_CAPABILITIES:
+        assert int8_kernel.available() and int8_kernel.kernel_name() == "longattn-avx2"
+        lin = transformer.Linear(16, 8, False)
+        lin.weight.data = torch.randn(8, 16)
+        lin.to_int8()
+        assert lin.kernel == "avx2"
+    else:
+        assert not int8_kernel.available()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+@pytest.mark.parametrize("K", [96, 100, 77, 5])  # whole 32-blocks, an 8-block tail, scalar tails
+def test_avx2_int8_kernel_matches_exact_reference(rows, K):
+    """float32 activations, int8 weights widened exactly, float32 accumulation in any order,
+    one rounding for the row scale: within K float32 roundings of the sum of |terms| plus half
+    an ulp of the output, against float64 arithmetic on the same inputs."""
+    assert int8_kernel.available()
+    g = torch.Generator().manual_seed(rows * 1000 + K)
+    N = 70
+    x = torch.randn(rows, K, generator=g)
+    q, s = quantize_int8(torch.randn(N, K, generator=g))
+    y = int8_matmul(x, q, s, s.to(torch.bfloat16), kernel="avx2")
+    w = q.double() * s.double()[:, None]
+    ref = x.double() @ w.T
+    bound = 2.0 ** -24 * ref.abs() + K * 2.0 ** -24 * (x.double().abs() @ w.abs().T) + 1e-30
+    assert y.dtype == torch.float32 and y.shape == (rows, N)
+    assert torch.all((y.double() - ref).abs() <= bound)
+    # a transposed (non-contiguous) activation view gives the same bits
+    assert torch.equal(int8_kernel.int8_gemv(x.T.contiguous().T, q, s), y)
+
+
+def test_avx2_int8_kernel_rejects_wrong_dtypes_and_shapes():
+    assert int8_kernel.available()
+    q, s = quantize_int8(torch.randn(4, 8))
+    with pytest.raises(RuntimeError, match="float32"):
+        int8_kernel.int8_gemv(torch.randn(1, 8, dtype=torch.float64), q, s)
+    with pytest.raises(RuntimeError, match="shapes"):
+        int8_kernel.int8_gemv(torch.randn(1, 9), q, s)
+
+
+def test_quantize_int4_layout_and_error_bound():
+    g = torch.Generator().manual_seed(0)
+    # groups spanning codes 0..15 with step 1 and offset 0 are stored exactly: check the layout
+    u = torch.randint(0, 16, (3, 64), generator=g)
+    u[:, ::32], u[:, 1::32] = 0, 15
+    codes, d, m = quantize_int4(u.float())
+    assert codes.dtype == torch.uint8 and codes.shape == (3, 32) and d.dtype == m.dtype == torch.float16
+    assert torch.equal(d, torch.ones(3, 2, dtype=torch.float16)) and torch.equal(m, torch.zeros(3, 2, dtype=torch.float16))
+    assert torch.equal(codes[:, :16], (u[:, :16] | (u[:, 16:32] << 4)).to(torch.uint8))  # j low, j + 16 high
+    assert torch.equal(dequantize_int4(codes, d, m), u.float())
+    # rows over four decades, a zero row, a constant group: within half a step plus what the
+    # float16 rounding of the offset and step moves the ends of the grid
+    w = torch.randn(37, 96, generator=g) * torch.logspace(-3, 1, 37)[:, None]
+    w[5] = 0.0
+    w[7, 32:64] = 0.3
+    codes, d, m = quantize_int4(w)
+    wg = w.double().reshape(37, 3, 32)
+    lo, hi, dd, mm = wg.amin(-1), wg.amax(-1), d.double(), m.double()
+    bound = dd / 2 + (mm - lo).abs() + 15 * (dd - (hi - lo) / 15).abs()
+    err = (dequantize_int4(codes, d, m, torch.float64).reshape(37, 3, 32) - wg).abs()
+    assert torch.all(err <= bound[..., None] * (1 + 1e-9))
+    assert torch.equal(dequantize_int4(codes, d, m)[5], torch.zeros(96))
+    assert float(err[5].max()) == 0.0 and float(err[7, 1].max()) <= float((mm[7, 1] - 0.3).abs()) + 1e-12
+    with pytest.raises(LongattnError, match="multiple of 32"):
+        quantize_int4(torch.randn(4, 40))
+
+
+def test_int4_rows_that_are_not_whole_groups_stay_int8():
+    lin = transformer.Linear(40, 8, False)
+    lin.weight.data = torch.randn(8, 40)
+    lin.to_int4()
+    assert lin.codes is None and lin.qweight.dtype == torch.int8
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5])
+@pytest.mark.parametrize("K", [32, 96, 160, 288, 544, 896])  # G % 8 and G % 4 tails, 8-group blocks
+@pytest.mark.parametrize("wide", [False, True], ids=["avx2", "avx512"])
+def test_int4_kernel_matches_exact_reference(rows, K, wide):
+    """Activations rounded per block of 32 exactly as quantize_activations does (a different
+    rounding moves a result by a whole step, ~1e4 times this bound), integer dots exact, one
+    rounding per group scale and per group term into float32 lanes: within (G + 10) float32
+    roundings of the sum of |terms| (G = K / 32) plus half an ulp, against float64 arithmetic on
+    the same rounded inputs, for the AVX2 form and (where the CPU has AVX-512 VNNI; elsewhere
+    the AVX2 form is checked twice) the AVX-512 one. PyTorch's evaluation of the same product
+    (the fallback) sums in another order: within K roundings."""
+    from longattn.ops import native
+    assert int8_kernel.available()
+    native.avx512(wide and native.avx512(None))
+    try:
+        _check_int4_kernel(rows, K)
+    finally:
+        native.avx512(None)
+
+
+def _check_int4_kernel(rows, K):
+    g = torch.Generator().manual_seed(rows * 1000 + K)
+    N = 70
+    x = torch.randn(rows, K, generator=g) * torch.logspace(-2, 1, K)
+    x[0, :32] = 0.0  # an all-zero activation block
+    w = torch.randn(N, K, generator=g)
+    w[3, :32] = 0.5  # a constant weight group (step 0)
+    codes, d, m = quantize_int4(w)
+    y = int4_matmul(x, codes, d, m, kernel="avx2")
+    xe = quantize_activations(x).double()
+    ref = xe @ dequantize_int4(codes, d, m, torch.float64).T
+    terms = xe.abs() @ dequantize_int4(codes, d.abs(), m.abs(), torch.float64).T
+    G = K // INT4_GROUP
+    assert y.dtype == torch.float32 and y.shape == (rows, N)
+    assert torch.all((y.double() - ref).abs() <= 2.0 ** -24 * ref.abs() + (G + 10) * 2.0 ** -23 * terms + 1e-30)
+    y_torch = int4_matmul(x, codes, d, m, kernel="torch")
+    assert torch.all((y_torch.double() - ref).abs() <= 2.0 ** -24 * ref.abs() + K * 2.0 ** -23 * terms + 1e-30)
+    assert torch.equal(torch.ops.longattn_cpu.int4_gemv(x.T.contiguous().T, codes, d, m), y)
+
+
+def test_int4_avx512_form_is_refused_without_the_cpu_features():
+    """Forcing the AVX-512 form works exactly where the CPU has AVX-512 VNNI (the exact-reference
+    test above then checks both forms), and is refused with a clear error elsewhere."""
+    from longattn.ops import native
+    has = native.avx512(None)
+    try:
+        if has:
+            assert native.avx512(True) is True and native.avx512(False) is False
+        else:
+            with pytest.raises(RuntimeError, match="lacks AVX-512"):
+                native.avx512(True)
+    finally:
+        native.avx512(None)
+    assert native.avx512(None) is has
+
+
+def test_int4_native_dequantize_is_the_correctly_rounded_weight():
+    """The prefill path's weight rows (one fma per value) equal float64's d * u + m rounded to
+    float32, bit for bit, for every group of a matrix with constant and zero groups."""
+    assert int8_kernel.available()
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(300, 160, generator=g) * torch.logspace(-4, 1, 300)[:, None]
+    w[7] = 0.0
+    w[9, 64:96] = -0.25
+    codes, d, m = quantize_int4(w)
+    exact = dequantize_int4(codes, d, m, torch.float64)
+    assert torch.equal(torch.ops.longattn_cpu.int4_dequantize(codes, d, m), exact.float())
+    assert torch.equal(dequantize_int4(codes, d, m), exact.float())
+    with pytest.raises(RuntimeError, match="shapes"):
+        torch.ops.longattn_cpu.int4_dequantize(codes, d[:, :2], m)
+
+
+def test_int4_kernel_rejects_wrong_dtypes_and_shapes():
+    assert int8_kernel.available()
+    codes, d, m = quantize_int4(torch.randn(4, 64))
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.longattn_cpu.int4_gemv(torch.randn(1, 64, dtype=torch.float64), codes, d, m)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.longattn_cpu.int4_gemv(torch.randn(1, 40), codes, d, m)
+    with pytest.raises(RuntimeError, match="shapes"):
+        torch.ops.longattn_cpu.int4_gemv(torch.randn(1, 96), codes, d, m)
+
+
+@pytest.mark.parametrize("weights", FORMATS)
+def test_each_format_builds_what_it_claims(weights):
+    m, _ = tiny("qwen2", weights)  # tied embeddings: table and head share one quantized copy
+    lin = m.model.layers[0].self_attn.qkv
+    if weights == "int8":
+        assert lin.weight is None and lin.qweight.dtype == torch.int8
+        assert m._tied_head.qweight is m.model.embed_tokens.table.qweight
+    elif weights == "int4":
+        assert lin.weight is None and lin.qweight is None and lin.codes.dtype == torch.uint8
+        assert lin.codes.shape == (lin.steps.shape[0], lin.steps.shape[1] * INT4_GROUP // 2)
+        assert m._tied_head.codes is m.model.embed_tokens.table.codes
+    else:
+        assert lin.weight.dtype == {"f32": torch.float32, "bf16": torch.bfloat16}[weights]
+    assert m.weights == weights
+
+
+def test_int4_keeps_the_named_matrices_in_int8():
+    from longattn.checkpoint import load_checkpoint
+    from conftest import tiny_dir
+    from longattn.models.weights import parse_recipe
+    assert parse_recipe("int4+int8:qkv,embed") == ("int4", ("qkv", "embed"))
+    assert parse_recipe("q8") == ("int8", ())
+    with pytest.raises(LongattnError, match="only int4"):
+        parse_recipe("int8+int8:qkv")
+    ck = load_checkpoint(tiny_dir("qwen2"), with_tokenizer=False)
+    m = build_model(ck.config, ck.state_dict, weights="int4", keep_int8=("qkv", "embed"))
+    layer = m.model.layers[0]
+    assert layer.self_attn.qkv.qweight is not None and layer.self_attn.qkv.codes is None
+    assert layer.mlp.gate_up.codes is not None and layer.self_attn.o_proj.codes is not None
+    assert m.model.embed_tokens.table.qweight is not None and m._tied_head is m.model.embed_tokens.table
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("path", ["forward", "step"])
+def test_unset_and_wide_window_bit_for_bit_in_each_format(weights, path):
+    m, _ = tiny("llama", weights)
+    ids = ids_for()
+    L = m.config.num_layers
+    dense = run_path(m, AttentionPolicy.build(m.config, "layers", windows=[None] * L), ids, path)
+    wide = run_path(m, AttentionPolicy.build(m.config, "window", window=ids.shape[1], sinks=2), ids, path)
+    assert torch.equal(dense, wide)
+
+
+@pytest.mark.parametrize("weights", FORMATS)
+@pytest.mark.parametrize("family,window,sinks", [("llama", 5, 2), ("gemma3", None, 0), ("qwen2", 4, 1)])
+def test_all_paths_agree_in_each_format(monkeypatch, weights, family, window, sinks):
+    monkeypatch.setattr(transformer, "WIDEN_ROWS", 1 << 30)  # forward uses the decode kernels too
+    m, m64 = tiny(family, weights)
+    pol = AttentionPolicy.from_config(m.config) if window is None else \
+        AttentionPolicy.build(m.config, "window", window=window, sinks=sinks)
+    assert_paths_agree(m, m64, pol)
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantized_streams_batched_equal_each_alone(monkeypatch, weights):
+    monkeypatch.setattr(transformer, "WIDEN_ROWS", 1 << 30)
+    m, m64 = tiny("llama", weights)
+    pol = AttentionPolicy.build(m.config, "window", window=4, sinks=2)
+    assert_streams_agree(m, m64, pol, lens=[5, 13], steps=5)
+
+
+@pytest.mark.real
+def test_quantized_weights_cost_what_the_readme_says_on_a_book(monkeypatch):
+    """int8 bits/token within 0.02 of f32 (the issue's budget) and int4 within 0.15 (measured
+    0.11 on three book passages, benchmarks/weights_quality.py) on 1,024 SmolLM2 book tokens;
+    int4's decode arithmetic (activations rounded per block of 32) within 0.02 of its prefill."""
+    from conftest import real_checkpoint
+    from longattn.data import book_body
+    from longattn.lab.stream import nll_bits
+    ck = real_checkpoint("smollm2-135m")
+    ids = torch.tensor([ck.tokenizer.encode(book_body())[:1024]])
+
+    def bits(m):
+        return nll_bits(m(ids)[0, :-1], ids[0, 1:]).mean().item()
+
+    b = {w: bits(build_model(ck.config, ck.state_dict, weights=w)) for w in ("f32", "int8", "int4")}
+    int4 = build_model(ck.config, ck.state_dict, weights="int4")
+    monkeypatch.setattr(transformer, "WIDEN_ROWS", 1 << 30)  # every matmul through the kernels
+    b["int4-decode"] = bits(int4)
+    print("bits/token " + ", ".join(f"{k} {v:.4f}" for k, v in b.items()))
+    assert abs(b["int8"] - b["f32"]) <= 0.02
+    assert 0 < b["int4"] - b["f32"] <= 0.15  # int4 does cost something: the test can fail both ways
+    assert abs(b["int4-decode"] - b["int4"]) <= 0.02
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
+def test_prefill_widening_in_blocks_matches_the_float_matrix(monkeypatch, weights):
+    """Prefill-sized inputs widen bf16/int8 weights block by block; against float64 on the
+    same effective weights the result is within twice the error of one float32 F.linear."""
+    monkeypatch.setattr(transformer, "WIDEN_BLOCK", 16)
+    g = torch.Generator().manual_seed(1)
+    lin = transformer.Linear(64, 70, bias=True)  # 70 rows: 4 full blocks and a partial one
+    lin.weight.data = torch.randn(70, 64, generator=g)
+    lin.bias.data = torch.randn(70, generator=g)
+    if weights == "int8":
+        lin.to_int8()
+    elif weights == "int4":
+        lin.to_int4()
+        assert lin.codes is not None
+    else:
+        lin.weight.data = lin.weight.data.to(torch.bfloat16)
+    x = torch.randn(transformer.WIDEN_ROWS + 3, 64, generator=g)
+    w = lin.effective_weight()
+    ref = x.double() @ w.double().T + lin.bias.double()
+    plain = torch.nn.functional.linear(x, w, lin.bias)
+    assert_within_derived(lin(x), plain, ref, floor=TIE_FLOOR)
