@@ -1,5 +1,5 @@
 """transformers' own float32 copy of a checkpoint: the independent oracle for tests and
-benchmarks. transformers dequantizes the GGUF itself (35-110 s); the result is cached in
+benchmarks. transformers dequantizes the GGUF itself, which is slow; the result is cached in
 ``$LONGATTN_CACHE/oracle/<key>`` (atomically) so later loads take about a second."""
 
 from __future__ import annotations

@@ -37,16 +37,15 @@ class RMSNorm(nn.Module):
         return (xf * ((1.0 + w) if self.plus_one else w)).to(x.dtype)
 
 
-# With this many rows or more, a bf16 weight is widened to float32 for the matmul: this CPU
-# has no bf16 GEMM units, so bf16 prefill ran 5x slower than float32, while widening costs
-# one pass over the weight (~5% of a 512-token chunk). Decode (few rows) stays in bf16,
-# where reading half the bytes makes a step 1.7x faster.
+# With this many rows or more, a bf16 weight is widened to float32 for the matmul: CPUs without
+# bf16 GEMM units run bf16 prefill far slower than float32, while widening costs one pass over
+# the weight. Decode (few rows) stays in bf16, where reading half the bytes is the gain.
 WIDEN_ROWS = 32
 
 
-# Widening happens WIDEN_BLOCK output rows at a time: a whole widened matrix is a fresh
-# allocation of up to hundreds of MB per call, and its page faults made bf16 prefill of a
-# 128-token Qwen prompt 2x slower than float32; a block-sized temporary is reused.
+# Widening happens WIDEN_BLOCK output rows at a time: a whole widened matrix would be a fresh
+# allocation of up to hundreds of MB per call, whose page faults cost more than the matmul; a
+# block-sized temporary is reused.
 WIDEN_BLOCK = 1024
 
 

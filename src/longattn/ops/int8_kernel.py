@@ -2,7 +2,7 @@
 
 ``int8_gemv(x, q, s)`` computes ``x @ (q * s[:, None]).T`` with float32 activations and
 int8 weights widened in registers. Where the native kernels cannot be used (no AVX2, no
-compiler, ``LONGATTN_NATIVE=off`` or ``LONGATTN_INT8_KERNEL=aten``) the caller falls back to
+compiler, or ``LONGATTN_NATIVE=off``) the caller falls back to
 PyTorch's ``aten._weight_int8pack_mm``; ``kernel_name()`` says which one runs, and benchmarks
 record it.
 """

@@ -37,9 +37,8 @@ _state: dict = {}
 
 
 def _disabled() -> bool:
-    # LONGATTN_INT8_KERNEL=aten is the older switch, kept working
-    return os.environ.get("LONGATTN_NATIVE", "").lower() == "off" or \
-        os.environ.get("LONGATTN_INT8_KERNEL", "").lower() == "aten"
+    """``LONGATTN_NATIVE=off``: the one process-wide switch to the PyTorch reference ops."""
+    return os.environ.get("LONGATTN_NATIVE", "").lower() == "off"
 
 
 def kernel_spec() -> ExtensionSpec:
@@ -94,7 +93,7 @@ def avx512(want: bool | None = None) -> bool:
     False to force one for all three (True raises RuntimeError on a CPU without AVX-512).
     Automatic: SCSA and the int4 GEMV take their AVX-512 forms where the CPU has AVX-512
     F/BW/VL/DQ/VNNI; the dense attention takes its AVX-512 loops there too except on AMD CPUs,
-    where Zen 4 ran them slower than the AVX2 loops (``dense_attention_avx512`` says which is
+    whose 512-bit units split each operation in two, so the AVX2 loops are faster there (``dense_attention_avx512`` says which is
     in use). Returns True when SCSA's and the GEMV's AVX-512 forms are in use.
     SCSA's and the dense attention's two forms give bit-identical outputs; the int4 GEMV's
     differ in the last bits (other float lanes), both within the bound the tests derive.
