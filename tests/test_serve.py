@@ -428,7 +428,7 @@ def test_retained_streams_keep_their_blocks_accounted_as_requests_come_and_go(ch
     Python hands a dropped Request's address to the next one."""
     engine = _engine(checkpoint, retain=4)
     try:
-        for i in range(12):
+        for i in range(40):  # each round gives the allocator a chance to hand out the last address
             done = threading.Event()
             req = Request(prompt=[3 + i, 40, 41, 42, 43, 44], max_tokens=6, sampling=SamplingConfig(),
                           ignore_eos=True, emit=lambda kind, p: done.set() if kind != "text" else None)
