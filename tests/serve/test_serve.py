@@ -422,6 +422,26 @@ def test_end_of_turn_tokens_end_a_request_unless_ignore_eos(checkpoint):
         engine.stop()
 
 
+def test_retained_streams_keep_their_blocks_accounted_as_requests_come_and_go(checkpoint):
+    """Each finished request's stream is retained for prefix reuse; a later request must never
+    take its place in the prefix cache without its blocks going back to the pool, although
+    Python hands a dropped Request's address to the next one."""
+    engine = _engine(checkpoint, retain=4)
+    try:
+        for i in range(40):  # each round gives the allocator a chance to hand out the last address
+            done = threading.Event()
+            req = Request(prompt=[3 + i, 40, 41, 42, 43, 44], max_tokens=6, sampling=SamplingConfig(),
+                          ignore_eos=True, emit=lambda kind, p: done.set() if kind != "text" else None)
+            engine.submit(req)
+            assert done.wait(60) and req.finish_reason == "length"
+            del req  # its address is free for the next Request
+            snap = engine.snapshot()
+            assert snap["blocks_used"] == snap["blocks_retained"] > 0
+            assert len(engine.retained) == min(i + 1, 4)
+    finally:
+        engine.stop()
+
+
 def test_windowed_conversation_memory_stays_flat_past_the_context(checkpoint):
     """400 tokens on a window of 8 with 4 sinks, past the model's context of 256: the blocks held
     stop growing once the window is full, and stay within what admission reserved."""

@@ -85,6 +85,7 @@ class Request:
     ignore_eos: bool = False                          # end-of-turn tokens do not end it
     id: str = ""
     # filled by the engine
+    key: int = -1                                     # unique per engine: names it in the cancel set and prefix cache
     policy: Optional[AttentionPolicy] = None
     need: int = 0                                     # blocks reserved
     stream: Optional[PagedStream] = None
@@ -148,9 +149,13 @@ class Engine:
         self._stopping = False
         self.waiting: list = []
         self.running: list = []
-        self.retained: OrderedDict = OrderedDict()  # id -> (policy_key, tokens, stream)
+        # request key -> (policy_key, tokens, stream). Keys, never ``id()``: a dropped request's
+        # address goes to a later one, and a clash would overwrite a retained stream without
+        # giving its blocks back (or cancel the wrong request)
+        self.retained: OrderedDict = OrderedDict()
         self.reserved = 0
         self._ids = itertools.count()
+        self._keys = itertools.count()
         self._thread: Optional[threading.Thread] = None
 
     # ------------------------------------------------------------------ called from any thread
@@ -200,13 +205,14 @@ class Engine:
                 self.metrics.requests["rejected"] += 1
                 raise QueueFull(retry_after=self._retry_after())
             req.id = req.id or f"{next(self._ids)}"
+            req.key = next(self._keys)
             self._inbox.append(req)
             self._cv.notify()
 
     def cancel(self, req: Request) -> None:
         """Drop ``req`` at the next step boundary (its blocks go back to the pool)."""
         with self._cv:
-            self._cancel.add(id(req))
+            self._cancel.add(req.key)
             self._cv.notify()
 
     def start(self) -> "Engine":
@@ -220,7 +226,7 @@ class Engine:
             self._stopping = True
             if not drain:
                 for r in self._inbox + self.waiting + self.running:
-                    self._cancel.add(id(r))
+                    self._cancel.add(r.key)
             self._cv.notify()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -281,12 +287,12 @@ class Engine:
     def _drop(self, cancel: set) -> None:
         if not cancel:
             return
-        for r in [r for r in self.waiting if id(r) in cancel]:
+        for r in [r for r in self.waiting if r.key in cancel]:
             self.waiting.remove(r)
             self.metrics.requests["cancelled"] += 1
             r.finish_reason = "cancelled"
             r.emit("done", r)
-        for r in [r for r in self.running if id(r) in cancel]:
+        for r in [r for r in self.running if r.key in cancel]:
             self._finish(r, reason="cancelled")
 
     def _admit(self) -> None:
@@ -421,7 +427,7 @@ class Engine:
         st, r.stream = r.stream, None
         if st is not None:
             if error is None and reason != "cancelled" and self.config.retain and r.fed:
-                self.retained[id(r)] = (r.policy_key, tuple(r.fed), st)
+                self.retained[r.key] = (r.policy_key, tuple(r.fed), st)
                 while len(self.retained) > self.config.retain:
                     _, (_, _, old) = self.retained.popitem(last=False)
                     old.release(self.pool)
