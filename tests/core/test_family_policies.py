@@ -160,6 +160,26 @@ def test_lab_cache_and_modes_on_every_family(family):
     assert imposed and all(W in pol.windows for pol in imposed), f"{family}: auto mode {mode} imposes no window"
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lab_measurements_on_every_family(family):
+    """receptive, sinks and scaling run on every family; sink mass (over cached tokens) is
+    refused in one line where learned sink logits hold a share no token holds."""
+    from longattn.lab.receptive import receptive_field
+    from longattn.lab.scaling import decode_step_times
+    from longattn.lab.sinkmass import sink_mass
+    model = _model(family)
+    cfg = model.config
+    ids = _ids(cfg)[0]
+    receptive_field(model, ids, W, sinks=S)
+    decode_step_times(model, [16, 32], W, sinks=S, repeats=1, warmup=0)
+    try:
+        res = sink_mass(model, ids, policy=_policy(cfg, "window"))
+    except LongattnError as e:
+        assert cfg.learned_sinks and "\n" not in str(e), str(e)
+        return
+    assert not cfg.learned_sinks and len(res["mass"]) == cfg.num_layers
+
+
 @pytest.mark.parametrize("policy_name", ["checkpoint", "window"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_trim_to_window_decodes_as_before(family, policy_name):
