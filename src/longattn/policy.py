@@ -134,6 +134,11 @@ class AttentionPolicy:
         elif mode == "global":
             if window is None:
                 raise LongattnError("--policy global needs --window W for the global layers")
+            # With no global layer the window would land nowhere and the run would quietly be
+            # the checkpoint's own policy under another name.
+            if all(t is not None for t in trained):
+                raise LongattnError("--policy global puts --window on the checkpoint's global layers, and this "
+                                    "checkpoint windows every layer; use --policy window to replace its windows")
             ws = [window if t is None else t for t in trained]
         elif mode == "layers":
             if windows is None or len(windows) != L:

@@ -149,7 +149,10 @@ def test_batched_streams_equal_each_alone_and_reset_forgets():
 def test_sparse_with_softcap_is_refused():
     ck = load_checkpoint(tiny_dir("llama"), with_tokenizer=False)
     cfg = ck.config
+    pol = build_sparse_policy(cfg, SCSAConfig(**CFG))  # built by hand before the softcap is set
     cfg.attn_softcap = 30.0
     m = build_model(cfg, ck.state_dict)
     with pytest.raises(LongattnError, match="soft-capping"):
-        StaticDecoder(m, sparse_pol(m), compile=False)
+        StaticDecoder(m, pol, compile=False)
+    with pytest.raises(LongattnError, match="soft-capping"):
+        sparse_pol(m)

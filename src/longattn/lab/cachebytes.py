@@ -79,19 +79,21 @@ def measure_cache(cfg, policy, T: int, dtype=torch.float32, model=None, chunk: i
 def named_policies(cfg, window: int, sinks: int) -> list:
     """[(label, policy)] to compare: the checkpoint's own, and imposed windows.
 
-    Models trained with windows (Gemma 3) also get "dense" (every layer growing) and
-    "global W" (W on the global layers too: every layer bounded).
+    Models trained with windows also get "dense" (every layer growing); hybrid ones (Gemma 3:
+    windowed and global layers) also "global W" (W on the global layers too: every layer bounded).
     """
-    hybrid = any(w is not None for w in cfg.layer_windows)
+    ws = cfg.layer_windows
     out = []
-    if hybrid:
+    if any(w is not None for w in ws):
         import warnings
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out.append(("dense", AttentionPolicy.build(cfg, "dense")))
-        out.append(("checkpoint (hybrid)", AttentionPolicy.build(cfg, "checkpoint")))
-        out.append((f"global {window} + {sinks} sinks", AttentionPolicy.build(cfg, "global", window=window,
-                                                                              sinks=sinks)))
+        hybrid = any(w is None for w in ws)
+        out.append(("checkpoint (hybrid)" if hybrid else "checkpoint windows", AttentionPolicy.build(cfg, "checkpoint")))
+        if hybrid:
+            out.append((f"global {window} + {sinks} sinks", AttentionPolicy.build(cfg, "global", window=window,
+                                                                                  sinks=sinks)))
     else:
         out.append(("full", AttentionPolicy.build(cfg, "checkpoint")))
     out.append((f"window {window}", AttentionPolicy.build(cfg, "window", window=window)))

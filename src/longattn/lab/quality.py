@@ -9,7 +9,8 @@ global layers for Gemma 3.
 
 Imposed windows: ``mode="window"`` puts W on every layer; ``mode="global"`` keeps a hybrid
 checkpoint's trained windows and puts W on its global layers only; ``"auto"`` picks
-"global" when the checkpoint has trained windows and "window" otherwise.
+"global" for a hybrid checkpoint (windowed and global layers) and "window" otherwise (a
+checkpoint windowed on every layer, Mistral or Phi-3, has no global layer to put W on).
 
 Position re-indexing (``reindex=True``): the passage is fed in chunks through ring caches
 built with ``make_cache(..., reindex=True)`` (StreamingLLM: attention sees positions within
@@ -35,12 +36,13 @@ MODES = ("auto", "window", "global")
 
 
 def resolve_mode(cfg, mode: str) -> str:
-    """"auto" -> "global" for checkpoints trained with windows, else "window"."""
+    """"auto" -> "global" for hybrid checkpoints (windowed and global layers), else "window"."""
     if mode not in MODES:
         raise LongattnError(f"unknown quality mode '{mode}'; use {', '.join(MODES)}")
     if mode != "auto":
         return mode
-    return "global" if any(w is not None for w in cfg.layer_windows) else "window"
+    ws = cfg.layer_windows
+    return "global" if any(w is None for w in ws) and any(w is not None for w in ws) else "window"
 
 
 def baseline_label(cfg) -> str:

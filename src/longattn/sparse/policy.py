@@ -57,6 +57,14 @@ def build_sparse_policy(cfg, scsa: Optional[SCSAConfig] = None, layers: Optional
     bad = [i for i in layers if not 0 <= i < L]
     if bad:
         raise LongattnError(f"sparse layers {bad} out of range for a {L}-layer model")
+    if layers and cfg.attn_softcap is not None:
+        # SparseOp would answer every step with its dense op: "sparse" in name only.
+        raise LongattnError("SCSA has no term for attention score soft-capping (Gemma 2); run this checkpoint "
+                            "with a checkpoint, dense, window or global policy")
+    if not layers:
+        # Otherwise "sparse" would silently run the windowed checkpoint with no SCSA anywhere.
+        raise LongattnError("the sparse policy runs SCSA on the checkpoint's global layers, and this checkpoint "
+                            "windows every layer; use --policy dense or window, or name the sparse layers")
     out = []
     for i in range(L):
         if i in layers:
