@@ -32,3 +32,25 @@ def cpu_description() -> dict:
     except OSError:
         pass
     return {"model": model, "flags": [f for f in FLAGS_OF_INTEREST if f in flags], "cpus": os.cpu_count()}
+
+
+def process_age_seconds() -> float:
+    """Seconds since this process started (from /proc, 10 ms resolution; NaN where unknown):
+    wall time from process start, as a user waiting at the prompt counts it."""
+    try:
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far, in bytes (0 where unknown)."""
+    try:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    except (ImportError, OSError):
+        return 0

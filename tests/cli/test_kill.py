@@ -141,12 +141,49 @@ def test_waiting_for_a_live_builder_times_out_with_its_name(cache, tmp_path, cap
 
 def test_two_processes_convert_the_same_file(cache, tmp_path):
     """Both finish; one entry stays (the second keeps the first's, which may be read)."""
-    from longattn.checkpoint.load import _complete, _intact
+    from longattn.checkpoint.load import _complete, entry_intact
     warm, f = (write_tiny_gguf(tmp_path / f"{n}.gguf", seed=s) for n, s in (("w", 1), ("m", 2)))
     both = [_child(CONVERT, cache, warm, f) for _ in range(2)]
     for p in both:
         assert p.stdout.readline().strip() == "ready"
     assert [p.wait(timeout=120) for p in both] == [0, 0]
     entries = list((cache / "converted").iterdir())
-    assert len(entries) == 2 and all(_complete(e) and _intact(e) for e in entries)
+    assert len(entries) == 2 and all(_complete(e) and entry_intact(e) for e in entries)
     assert not stale_temporaries(cache)
+
+
+# The child prepares int8 weights of each file, writing each entry slowly (a pause after the
+# weights) so that most kill points land while a prepared entry is half-written.
+PREPARE = ("import sys, time\n"
+           "import torch\n"
+           "from longattn.checkpoint import load_checkpoint\n"
+           "from longattn.checkpoint.prepared import prepared_model\n"
+           "def ck(f): return load_checkpoint(f, progress=False, read_weights=False)\n"
+           "prepared_model(ck(sys.argv[1]), 'int8', progress=False)\n"
+           "save = torch.save\n"
+           "torch.save = lambda *a, **k: (save(*a, **k), time.sleep(0.4))\n"
+           "print('ready', flush=True)\n"
+           "for f in sys.argv[2:]:\n"
+           "    prepared_model(ck(f), 'int8', progress=False)\n")
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_weight_preparation_killed_at_random_point(cache, tmp_path, seed):
+    import torch
+    from longattn.checkpoint import load_checkpoint
+    from longattn.checkpoint.prepared import prepared_model
+    from longattn.models import build_model
+    warm = write_tiny_gguf(tmp_path / "w.gguf", seed=99)
+    files = [write_tiny_gguf(tmp_path / f"m{i}.gguf", seed=10 * seed + i) for i in range(3)]
+    rng = random.Random(seed)
+    _kill_after_ready(_child(PREPARE, cache, warm, *files), rng.uniform(0.05, 1.5))
+    print("left by the killed preparation:", stale_temporaries(cache))
+    paths.cache_root()  # the next run sweeps what the dead process left
+    ids = torch.tensor([[1, 5, 9, 2, 7]])
+    for f in files:
+        ck = load_checkpoint(str(f), progress=False)
+        want = build_model(ck.config, ck.state_dict, weights="int8")(ids)
+        got = prepared_model(load_checkpoint(str(f), progress=False, read_weights=False), "int8", progress=False)
+        assert torch.equal(got(ids), want)
+    assert not stale_temporaries(cache)
+    assert len(list((cache / "prepared").iterdir())) == len(files) + 1

@@ -186,17 +186,29 @@ def split_fused(cfg: ModelConfig, sd: dict) -> dict:
     return out
 
 
-def load_hf_dir(path: Path) -> tuple[ModelConfig, dict]:
-    from safetensors.torch import load_file
+def hf_dir_config(path: Path) -> ModelConfig:
+    """The ModelConfig of an HF directory's config.json (one line for any way it is wrong)."""
     cfg_path = path / "config.json"
     if not cfg_path.exists():
         raise LongattnError(f"{path} has no config.json; pass a GGUF file or an HF model directory")
+    cfg = _config_of(cfg_path, path.name)
+    hf_dir_weight_files(path)
+    return cfg
+
+
+def hf_dir_weight_files(path: Path) -> list:
+    """The directory's ``*.safetensors`` files, sorted (an error when there are none)."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise LongattnError(f"{path} has no *.safetensors weights")
-    cfg = _config_of(cfg_path, path.name)
+    return files
+
+
+def load_hf_weights(path: Path, cfg: ModelConfig) -> dict:
+    """The directory's weights as float32, under longattn's names (checked for values)."""
+    from safetensors.torch import load_file
     sd = {}
-    for f in files:
+    for f in hf_dir_weight_files(path):
         try:
             part = load_file(str(f))
         except Exception as e:
@@ -208,7 +220,13 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict]:
             check_values(k, sd[k], f)
     if cfg.family == "phi3":
         sd = split_fused(cfg, sd)
-    return cfg, sd
+    return sd
+
+
+def load_hf_dir(path: Path) -> tuple[ModelConfig, dict]:
+    """``(config, float32 weights)`` of an HF directory."""
+    cfg = hf_dir_config(path)
+    return cfg, load_hf_weights(path, cfg)
 
 
 def _config_of(cfg_path: Path, name: str) -> ModelConfig:

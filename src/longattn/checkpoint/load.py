@@ -19,9 +19,8 @@ import json
 import logging
 import os
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..config import ModelConfig
 from ..errors import LongattnError
@@ -33,13 +32,33 @@ CONVERTER_VERSION = "3"  # bump when the converted layout or config reading chan
 CHECKSUM = "checksum.json"  # SHA-256 of the entry's files, written last
 
 
-@dataclass
 class LoadedCheckpoint:
-    name: str
-    source: Path
-    config: ModelConfig
-    state_dict: dict
-    tokenizer: Any  # transformers PreTrainedTokenizerFast, or None for weight-only dirs
+    """A checkpoint's name, source path, config and tokenizer (transformers
+    PreTrainedTokenizerFast, or None for weight-only dirs).
+
+    ``state_dict`` (name -> float32 tensor) is read on first use: a run whose prepared
+    weights are cached (models.prepared) never reads the float32 weights. ``weights_key``
+    names those float32 weights by content (the source's digest and the converter version).
+    """
+
+    def __init__(self, name: str, source: Path, config: ModelConfig, state_dict: dict | None,
+                 tokenizer: Any, read_weights: Callable[[], dict] | None = None,
+                 weights_key: str | None = None):
+        self.name, self.source, self.config, self.tokenizer = name, source, config, tokenizer
+        self._state_dict, self._read_weights, self.weights_key = state_dict, read_weights, weights_key
+        # (files, digest) to record in the digest memo once the weights proved good, or None
+        self.unremembered: tuple | None = None
+
+    @property
+    def state_dict(self) -> dict | None:
+        if self._state_dict is None and self._read_weights is not None:
+            self._state_dict = self._read_weights()
+        return self._state_dict
+
+    @state_dict.setter
+    def state_dict(self, sd: dict | None) -> None:
+        """Set the weights; ``None`` drops them (they are read again on next use)."""
+        self._state_dict = sd
 
 
 def _quiet_transformers():
@@ -112,66 +131,88 @@ def _entry_files(entry: Path) -> list:
     return [entry / "model.safetensors", entry / "config.json", *tok]
 
 
-def _intact(entry: Path) -> bool:
-    """The entry's files hash to the checksum written with them (hashed once per entry:
-    the match is remembered under the files' sizes and mtimes). Entries written by older
-    converters carry no checksum and are trusted."""
+def entry_intact(entry: Path, files_of: Callable[[Path], list] = _entry_files) -> bool:
+    """The entry's files (``files_of(entry)``) hash to the checksum written with them (hashed
+    once per entry: the match is remembered under the files' sizes and mtimes). Entries
+    written by older converters carry no checksum and are trusted."""
     try:
         want = json.loads((entry / CHECKSUM).read_text())["sha256"]
     except FileNotFoundError:
         return True
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    files = _entry_files(entry)
+    files = files_of(entry)
     got = content_digest(files, remember=False)
     if got == want:
         remember_digest(files, got)
     return got == want
 
 
-def _discard(entry: Path) -> None:
+def discard_entry(entry: Path) -> None:
     """Take a damaged entry out of place at once (a rename), then delete it."""
     aside = entry.parent / f"{temp_prefix()}damaged"
     os.rename(entry, aside)
     remove_path(aside)
 
 
-def load_checkpoint(name_or_path: str, progress: bool = True, with_tokenizer: bool = True
-                    ) -> LoadedCheckpoint:
+def load_checkpoint(name_or_path: str, progress: bool = True, with_tokenizer: bool = True,
+                    read_weights: bool = True) -> LoadedCheckpoint:
     """Load a bundled model name, a ``.gguf`` file or an HF directory.
+
+    With ``read_weights=False`` the float32 weights are read on first use of ``state_dict``
+    (a GGUF file is still converted and checked now).
 
     Raises LongattnError (one clear line) for a missing, truncated or unsupported checkpoint.
     """
+    ck = _open_checkpoint(name_or_path, progress, with_tokenizer)
+    if read_weights:
+        ck.state_dict  # noqa: B018 -- read now, so a damaged file fails here
+    return ck
+
+
+def _open_checkpoint(name_or_path: str, progress: bool, with_tokenizer: bool) -> LoadedCheckpoint:
     name, src = resolve_model(name_or_path)
     if src.is_dir():
-        from .hf_dir import load_hf_dir
-        cfg, sd = load_hf_dir(src)
+        from .hf_dir import hf_dir_config, hf_dir_weight_files, load_hf_weights
+        cfg = hf_dir_config(src)
+        files = hf_dir_weight_files(src)
         tok = None
         if with_tokenizer and any((src / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
             tok = load_tokenizer(src)
-        return LoadedCheckpoint(name, src, cfg, sd, tok)
+        # remembered only once the weights proved good (prepared.py): a refused run leaves no trace
+        digest = content_digest([src / "config.json", *files], remember=False)
+        ck = LoadedCheckpoint(name, src, cfg, None, tok, lambda: load_hf_weights(src, cfg), cache_key(digest))
+        ck.unremembered = ([src / "config.json", *files], digest)
+        return ck
     if src.suffix not in (".gguf", ".bin") and not _looks_like_gguf(src):
         raise LongattnError(f"{src} is neither a GGUF file nor an HF model directory")
     digest = content_digest([src], remember=False)
     target = cache_root() / "converted" / cache_key(digest)
-    if _complete(target) and not _intact(target):
+    if _complete(target) and not entry_intact(target):
         warnings.warn(f"converted cache entry {target} is damaged (its checksum does not match); "
                       "converting again", stacklevel=2)
-        _discard(target)
+        discard_entry(target)
     if not _complete(target):
         _convert_gguf(src, target, progress)
     remember_digest([src], digest)  # only now: the file proved a good GGUF
-    from safetensors.torch import load_file
     try:
         cfg = ModelConfig.from_dict(json.loads((target / "config.json").read_text()))
-        sd = load_file(str(target / "model.safetensors"))
     except Exception as e:
         raise LongattnError(f"converted cache entry {target} is damaged ({e}); delete it and retry") from None
     tok = None
     if with_tokenizer:
         tok = load_tokenizer(target / "tokenizer", what=f"the converted cache entry {target} "
                              "(delete it and retry)")
-    return LoadedCheckpoint(name, src, cfg, sd, tok)
+    return LoadedCheckpoint(name, src, cfg, None, tok, lambda: _read_converted(target), target.name)
+
+
+def _read_converted(target: Path) -> dict:
+    """The float32 weights of a converted entry."""
+    from safetensors.torch import load_file
+    try:
+        return load_file(str(target / "model.safetensors"))
+    except Exception as e:
+        raise LongattnError(f"converted cache entry {target} is damaged ({e}); delete it and retry") from None
 
 
 def _looks_like_gguf(p: Path) -> bool:

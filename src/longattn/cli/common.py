@@ -11,6 +11,11 @@ from pathlib import Path
 from ..errors import LongattnError
 
 
+# The fastest weight format whose quality cost is negligible: int8 costs <= 0.004 bits/token
+# on the bundled models (docs/benchmarks.md, weights_quality.py), int4 0.1-0.37.
+DEFAULT_WEIGHTS = "int8"
+
+
 def default_threads() -> int:
     """CPUs this process may run on (its affinity mask, not the machine's count)."""
     try:
@@ -25,8 +30,11 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str = "smollm2-135
     p.add_argument("--threads", type=int, default=default_threads(),
                    help="torch intra-op threads (the CPUs this process may use); several "
                         "streams share one pool, so do not start one process per stream")
-    p.add_argument("--weights", default="f32",
-                   help="weight format: f32, bf16, int8 (per output row) or int4 (groups of 32; decode "
+    p.add_argument("--weights", default=DEFAULT_WEIGHTS,
+                   help="weight format (default int8: costs <= 0.004 bits/token against the "
+                        "checkpoint's weights and decodes ~6x faster than f32; prepared once and "
+                        "memory-mapped from the cache after): f32 (the reference), bf16, int8 "
+                        "(per output row) or int4 (groups of 32; decode "
                         "quantizes activations to int8 per block of 32); int4+int8:embed keeps the "
                         "matrices whose module name contains 'embed' (the embedding table and tied "
                         "head) in int8 (fragments separated by commas)")
@@ -170,14 +178,25 @@ def check_chunk(chunk: int) -> None:
         raise LongattnError(f"--chunk must be >= 1 (tokens per forward), got {chunk}")
 
 
+def open_checkpoint(args, progress: bool = True):
+    """The checkpoint of --model: config and tokenizer, its weights not read yet (so the checks
+    that need only the config refuse bad options before the slow part)."""
+    from ..checkpoint import load_checkpoint
+    from ..models.weights import parse_recipe
+    parse_recipe(getattr(args, "weights", DEFAULT_WEIGHTS))  # a bad format fails before the slow load
+    return load_checkpoint(args.model, progress=progress, read_weights=False)
+
+
+def model_for(ck, args, progress: bool = True):
+    """The model of ``ck`` in --weights, from the prepared-weights cache (built once)."""
+    from ..checkpoint.prepared import prepared_model
+    return prepared_model(ck, getattr(args, "weights", DEFAULT_WEIGHTS), progress=progress)
+
+
 def load_model(args, progress: bool = True):
     """(checkpoint, model) from --model / --weights, with a one-line error on bad input."""
-    from ..checkpoint import load_checkpoint
-    from ..models import build_model
-    from ..models.weights import parse_recipe
-    weights, keep = parse_recipe(getattr(args, "weights", "f32"))  # before the slow load
-    ck = load_checkpoint(args.model, progress=progress)
-    return ck, build_model(ck.config, ck.state_dict, weights=weights, keep_int8=keep)
+    ck = open_checkpoint(args, progress)
+    return ck, model_for(ck, args, progress)
 
 
 def _close_progress_bars() -> None:

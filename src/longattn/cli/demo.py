@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from .common import add_json_arg, emit_json
+from .common import add_json_arg
 
 
 def add_parser(sub) -> None:

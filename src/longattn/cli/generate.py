@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from ..errors import LongattnError
+from ..host import peak_rss_bytes, process_age_seconds
 from .common import (add_context_arg, add_json_arg, add_model_args, add_policy_args, check_chunk,
-                     check_context, check_policy_args, check_token_ids, emit_json, load_model,
-                     policy_from_args, read_text_file, setup_threads)
+                     check_context, check_policy_args, check_token_ids, emit_json, model_for,
+                     open_checkpoint, policy_from_args, read_text_file, setup_threads)
 
 DEFAULT_PROMPT = "The three most useful facts about the Moon are"
 
@@ -78,7 +80,8 @@ def run(args) -> int:
         text = read_text_file(args.prompt_file, "prompt file")
     else:
         text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
-    ck, model = load_model(args)
+    t_load = time.perf_counter()
+    ck = open_checkpoint(args)
     policy = policy_from_args(ck.config, args)
     if ck.tokenizer is None:
         raise LongattnError(f"{ck.name} has no tokenizer; generate needs one to read the prompt")
@@ -88,6 +91,8 @@ def run(args) -> int:
     check_token_ids(ck.config, ids)
     check_context(ck.config, policy, len(ids) + args.max_new_tokens, args,
                   f"the prompt ({len(ids)} tokens) plus --max-new-tokens {args.max_new_tokens}")
+    model = model_for(ck, args)
+    load_s = time.perf_counter() - t_load
     if args.compile:
         from ..engine.static_step import StaticDecoder
         session = StaticDecoder(model, policy, max_len=len(ids) + max(args.max_new_tokens, 1), compile=True)
@@ -98,8 +103,15 @@ def run(args) -> int:
     streamer = TextStreamer(ck.tokenizer)
     if not args.json:
         sys.stdout.write(text if not args.chat else "")
+    first_token = []
+
+    def on_token(stream: int, token: int) -> None:
+        if not first_token:
+            first_token.append(process_age_seconds())
+        if not args.json:
+            streamer(stream, token)
     res = generate(session, [ids], args.max_new_tokens, sampling, stop_ids=set(ck.config.eos_token_ids),
-                   chunk=args.chunk, on_token=None if args.json else streamer)
+                   chunk=args.chunk, on_token=on_token)
     if not args.json:
         streamer.finish()
     n = res.new_tokens
@@ -108,7 +120,10 @@ def run(args) -> int:
     summary = {"model": ck.name, "prompt_tokens": res.prompt_tokens, "new_tokens": n,
                "prefill_tok_s": round(pps, 2), "decode_tok_s": round(tps, 2),
                "cache_bytes": res.cache_bytes, "threads": args.threads, "weights": model.weights,
-               "compiled": bool(args.compile),
+               "compiled": bool(args.compile), "load_s": round(load_s, 3),
+               "prefill_s": round(res.prefill_seconds, 3), "decode_s": round(res.decode_seconds, 3),
+               "first_token_after_start_s": round(first_token[0], 2) if first_token else None,
+               "peak_rss_bytes": peak_rss_bytes(),
                "text": ck.tokenizer.decode(res.tokens[0], skip_special_tokens=True)}
     print(f"-- {ck.name}: {res.prompt_tokens} prompt + {n} new tokens, prefill {pps:.1f} tok/s, "
           f"decode {tps:.1f} tok/s, cache {res.cache_bytes / 2**20:.2f} MiB", file=sys.stderr if args.json else sys.stdout)

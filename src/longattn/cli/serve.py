@@ -8,7 +8,7 @@ import signal
 import sys
 
 from ..errors import LongattnError
-from .common import add_model_args, add_policy_args, load_model, policy_from_args, setup_threads
+from .common import add_model_args, add_policy_args, model_for, open_checkpoint, policy_from_args, setup_threads
 
 
 def add_parser(sub) -> None:
@@ -53,10 +53,11 @@ def run(args) -> int:
                           max_queue=args.max_queue, chunk=args.prefill_chunk, retain=args.prefix_cache)
     if args.policy == "sparse":
         raise LongattnError("serve runs window and dense policies; the paged cache has no sparse path")
-    ck, model = load_model(args)
+    ck = open_checkpoint(args)
     if ck.tokenizer is None:
         raise LongattnError(f"{ck.name} has no tokenizer; serve needs one to read and write text")
     policy = policy_from_args(ck.config, args)
+    model = model_for(ck, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     engine = Engine(model, ck.tokenizer, policy, config, stop_ids=_stop_ids(ck)).start()
     app = create_app(engine, args.served_name or ck.name)

@@ -8,7 +8,7 @@ import sys
 from ..errors import LongattnError
 from .common import (add_context_arg, add_json_arg, add_model_args, add_policy_args, check_chunk,
                      check_context, check_policy_args, check_token_ids, emit_json, load_model,
-                     policy_from_args, read_text_file, setup_threads)
+                     model_for, open_checkpoint, policy_from_args, read_text_file, setup_threads)
 
 
 def add_parser(sub) -> None:
@@ -70,7 +70,7 @@ def run(args) -> int:
     if args.max_tokens is not None and args.max_tokens < 2:
         raise LongattnError("--max-tokens must be >= 2")
     text = read_text_file(args.file, "--file") if args.file else all_books_text()
-    ck, model = load_model(args)
+    ck = open_checkpoint(args)
     policy = policy_from_args(ck.config, args)
     if ck.tokenizer is None:
         raise LongattnError(f"{ck.name} has no tokenizer; stream needs one to read text")
@@ -79,6 +79,7 @@ def run(args) -> int:
         raise LongattnError("the text holds fewer than 2 tokens; nothing to score")
     check_token_ids(ck.config, ids.tolist())
     check_context(ck.config, policy, int(ids.numel()), args, f"the text ({ids.numel()} tokens)")
+    model = model_for(ck, args)
     res = stream_run(model, ck.tokenizer, ids, policy, args)
     out = res.to_dict()
     out.update(model=ck.name, window=args.window, sinks=args.sinks, policy=args.policy,

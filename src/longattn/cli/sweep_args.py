@@ -37,14 +37,13 @@ def sweep_settings(args) -> dict:
 
 def load_sweep_checkpoint(args, needs: str):
     """The checkpoint of --model (converted here once, so workers find it cached), refused
-    without a tokenizer; its weights are dropped: the cells load the model themselves."""
+    without a tokenizer; its weights are not read: the cells load the model themselves."""
     from ..checkpoint import load_checkpoint
     from ..models.weights import parse_recipe
     parse_recipe(args.weights)  # a bad --weights fails before the slow load
-    ck = load_checkpoint(args.model)
+    ck = load_checkpoint(args.model, read_weights=False)
     if ck.tokenizer is None:
         raise LongattnError(f"{ck.name} has no tokenizer; {needs}")
-    ck.state_dict = None
     return ck
 
 

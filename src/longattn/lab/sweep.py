@@ -75,14 +75,12 @@ class ModelContext:
 def model_context(model: str, weights: str = "f32") -> ModelContext:
     """Load ``model`` once per process (one held at a time: cells come ordered by model)."""
     from ..checkpoint import load_checkpoint
-    from ..models import build_model
-    from ..models.weights import parse_recipe
-    fmt, keep = parse_recipe(weights)
-    ck = load_checkpoint(model, progress=False)
+    from ..checkpoint.prepared import prepared_model
+    ck = load_checkpoint(model, progress=False, read_weights=False)
     if ck.tokenizer is None:
         raise LongattnError(f"{ck.name} has no tokenizer; the lab's sweeps read text")
     tok = ck.tokenizer
-    m = build_model(ck.config, ck.state_dict, weights=fmt, keep_int8=keep)
+    m = prepared_model(ck, weights, progress=False)
     return ModelContext(ck.name, ck.config, m, lambda s: tok(s)["input_ids"],
                         lambda ids: tok.decode(ids, skip_special_tokens=True), frozenset(ck.config.eos_token_ids))
 

@@ -424,11 +424,7 @@ def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype = torch.f
     with torch.device("meta"):
         m = Transformer(cfg)
     m = m.to_empty(device="cpu")
-    for name, buf in m.named_buffers():  # buffers were on meta: recompute
-        layer = int(name.split(".")[2])
-        attn = m.model.layers[layer].self_attn
-        attn.inv_freq = inv_freq(cfg.head_dim, cfg.layer_rope_theta[layer], cfg.layer_rope_scaling[layer],
-                                 cfg.max_context)
+    set_rope_tables(m, cfg)
     sd = dict(state_dict)
     if cfg.tie_embeddings:
         sd.pop("lm_head.weight", None)
@@ -453,6 +449,13 @@ def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype = torch.f
     m.weights = fmt + (f"+int8:{','.join(keep_int8)}" if keep_int8 and fmt == "int4" else "")
     m.eval()
     return m
+
+
+def set_rope_tables(m: Transformer, cfg: ModelConfig) -> None:
+    """Compute each layer's ``inv_freq`` on the CPU (a model built on the meta device has none)."""
+    for layer, block in enumerate(m.model.layers):
+        block.self_attn.inv_freq = inv_freq(cfg.head_dim, cfg.layer_rope_theta[layer],
+                                            cfg.layer_rope_scaling[layer], cfg.max_context)
 
 
 def _quantize(m: Transformer, cfg: ModelConfig, fmt: str, keep_int8: tuple = ()) -> None:

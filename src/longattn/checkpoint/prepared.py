@@ -1,0 +1,119 @@
+"""Prepared weights: a quantized model's tensors written once to the cache, memory-mapped after.
+
+The first run with ``--weights int8`` (int4, bf16) reads the float32 weights, builds the
+quantized model and writes its state to ``$LONGATTN_CACHE/prepared/<key>/model.pt``; every
+later run maps that file and builds the model around it (models.prepared): no float32 copy,
+no quantization, and the pages are the page cache's, shared by every process using the model.
+The key hashes the float32 weights' content key (the source's digest and the converter
+version), the weight recipe and the layout version, so a changed source file or another
+format gets its own entry. The layout does not depend on the CPU (the kernels read the plain
+int8 rows and int4 groups), so one entry serves every machine sharing the cache.
+
+Entries are written like conversions (paths.atomic_dir, with a checksum written last): a
+killed first run leaves nothing in place, and a damaged entry is rebuilt with a warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from pathlib import Path
+
+from ..errors import LongattnError
+from .digest import content_digest, remember_digest
+from .load import CHECKSUM, LoadedCheckpoint, discard_entry, entry_intact
+from .paths import atomic_dir, cache_root
+
+PREPARED_VERSION = "1"  # bump when the saved layout (module names, packing) changes
+MODEL_FILE = "model.pt"
+
+
+def prepared_key(weights_key: str, recipe: str) -> str:
+    """Cache key of one checkpoint's weights in one format."""
+    return hashlib.sha256(f"{weights_key}|{recipe}|{PREPARED_VERSION}".encode()).hexdigest()[:16]
+
+
+def _files(entry: Path) -> list:
+    return [entry / MODEL_FILE]
+
+
+def _complete(entry: Path) -> bool:
+    return (entry / MODEL_FILE).exists() and (entry / CHECKSUM).exists()
+
+
+def _remember_source(ck: LoadedCheckpoint) -> None:
+    """Record the source's digest in the memo now that its weights made a model."""
+    if ck.unremembered is not None:
+        remember_digest(*ck.unremembered)
+        ck.unremembered = None
+
+
+def _stages(desc: str, progress: bool):
+    """A three-stage progress bar on stderr (read, quantize, write): ``stage(name)`` moves it on,
+    ``stage(None)`` closes it. A no-op without ``progress``."""
+    if not progress:
+        return lambda name: None
+    from tqdm import tqdm
+    bar = tqdm(total=3, desc=desc, unit="stage", leave=True, bar_format="{desc}: {n}/{total} {postfix}")
+    bar.set_postfix_str("read float32")
+
+    def stage(name):
+        bar.update(1)
+        if name is None:
+            bar.close()
+        else:
+            bar.set_postfix_str(name)
+    return stage
+
+
+def prepared_model(ck: LoadedCheckpoint, recipe: str, progress: bool = True):
+    """The model of ``ck`` with ``recipe`` weights (models.weights), from the prepared cache.
+
+    f32 (and any checkpoint without a content key) is built from the float32 weights as
+    before. Otherwise the entry is mapped when present and intact, else built once (a
+    progress line on stderr) and written. The model gives the same outputs either way.
+    """
+    import torch
+
+    from ..models import build_model
+    from ..models.prepared import PREPARED_FORMATS, from_prepared
+    from ..models.weights import parse_recipe
+    fmt, keep = parse_recipe(recipe)
+    if fmt not in PREPARED_FORMATS or ck.weights_key is None:
+        return build_model(ck.config, ck.state_dict, weights=fmt, keep_int8=keep)
+    canonical = fmt + (f"+int8:{','.join(keep)}" if keep else "")
+    entry = cache_root() / "prepared" / prepared_key(ck.weights_key, canonical)
+    if _complete(entry) and not entry_intact(entry, _files):
+        warnings.warn(f"prepared weights {entry} are damaged (checksum mismatch); preparing again",
+                      stacklevel=2)
+        discard_entry(entry)
+    if _complete(entry):
+        try:
+            state = torch.load(entry / MODEL_FILE, mmap=True, weights_only=True)
+        except Exception as e:  # unreadable despite its checksum: a torch that cannot read it
+            raise LongattnError(f"prepared weights {entry} cannot be read ({e}); "
+                                "run `longattn cache clear` and retry") from None
+        model = from_prepared(ck.config, state, canonical)
+        _remember_source(ck)
+        return model
+    bar = _stages(f"preparing {canonical} weights of {ck.name} (once)", progress)
+    sd = ck.state_dict
+    bar("quantize")
+    model = build_model(ck.config, sd, weights=fmt, keep_int8=keep)
+    del sd
+    ck.state_dict = None  # the float32 copy is not needed any more
+    bar("write")
+    with atomic_dir(entry, complete=_complete) as tmp:
+        torch.save(model.state_dict(), tmp / MODEL_FILE)
+        digest = content_digest(_files(tmp), remember=False)
+        (tmp / "recipe.json").write_text(json.dumps({"recipe": canonical, "source": str(ck.source)}))
+        (tmp / CHECKSUM).write_text(json.dumps({"sha256": digest}))
+    bar(None)
+    _remember_source(ck)
+    try:  # the file just written needs no second hash (unless another process's entry won)
+        if json.loads((entry / CHECKSUM).read_text())["sha256"] == digest:
+            remember_digest(_files(entry), digest)
+    except (OSError, ValueError, KeyError):
+        pass
+    return model

@@ -1,0 +1,162 @@
+"""Prepared weights: the cached, memory-mapped quantized model is the model build_model makes.
+
+Equality is exact (``torch.equal`` of the logits): the prepared state holds the very tensors
+the quantized model multiplies by. The cache behaves like the conversion cache: a killed
+build leaves nothing in place, a damaged entry is rebuilt, and a changed source or format
+gets its own entry; a hit never reads the float32 weights.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_dir
+from longattn.checkpoint import load_checkpoint
+from longattn.checkpoint.prepared import MODEL_FILE, prepared_model
+from longattn.errors import LongattnError
+from longattn.models import build_model
+from longattn.models.prepared import from_prepared
+from longattn.models.weights import parse_recipe
+
+IDS = torch.tensor([[3, 17, 42, 5, 88, 61, 9, 30, 2, 77, 14]])
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A private, empty cache for one test."""
+    monkeypatch.setenv("LONGATTN_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _entries(cache: Path) -> list:
+    d = cache / "prepared"
+    return sorted(p for p in d.iterdir()) if d.exists() else []
+
+
+def _maps(path: Path) -> bool:
+    """This process has ``path`` memory-mapped."""
+    return str(path.resolve()) in Path("/proc/self/maps").read_text()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "phi3", "gpt_oss"])
+@pytest.mark.parametrize("recipe", ["int8", "int4", "bf16", "int4+int8:embed"])
+def test_prepared_model_equals_built(family, recipe, cache):
+    d = tiny_dir(family)
+    ck = load_checkpoint(d, with_tokenizer=False)
+    fmt, keep = parse_recipe(recipe)
+    want = build_model(ck.config, ck.state_dict, weights=fmt, keep_int8=keep)(IDS)
+    first = prepared_model(load_checkpoint(d, with_tokenizer=False, read_weights=False), recipe, progress=False)
+    assert torch.equal(first(IDS), want)
+    (entry,) = _entries(cache)
+    second = prepared_model(load_checkpoint(d, with_tokenizer=False, read_weights=False), recipe, progress=False)
+    assert torch.equal(second(IDS), want)
+    assert second.weights == first.weights
+
+
+def test_a_hit_maps_the_file_and_never_reads_float32(cache):
+    d = tiny_dir("llama")
+    prepared_model(load_checkpoint(d, with_tokenizer=False, read_weights=False), "int8", progress=False)
+    ck = load_checkpoint(d, with_tokenizer=False, read_weights=False)
+
+    def refuse():
+        raise AssertionError("the float32 weights were read on a cache hit")
+    ck._read_weights = refuse
+    m = prepared_model(ck, "int8", progress=False)
+    (entry,) = _entries(cache)
+    assert _maps(entry / MODEL_FILE)
+    assert m.model.layers[0].self_attn.qkv.qweight.dtype == torch.int8
+
+
+def test_real_model_prepared_equals_built():
+    """SmolLM2 in the default cache: int8 prepared == int8 built, bit for bit."""
+    ck = load_checkpoint("smollm2-135m", progress=False)
+    want = build_model(ck.config, ck.state_dict, weights="int8")(IDS)
+    for _ in range(2):  # the first call may build the entry, the second maps it
+        m = prepared_model(load_checkpoint("smollm2-135m", progress=False, read_weights=False), "int8",
+                           progress=False)
+        assert torch.equal(m(IDS), want)
+
+
+def test_format_and_source_get_their_own_entries(cache):
+    a, b = tiny_dir("llama", seed=0), tiny_dir("llama", seed=1)
+    for d, recipe in [(a, "int8"), (a, "int4"), (b, "int8")]:
+        prepared_model(load_checkpoint(d, with_tokenizer=False, read_weights=False), recipe, progress=False)
+    assert len(_entries(cache)) == 3
+    ck = load_checkpoint(b, with_tokenizer=False)
+    want = build_model(ck.config, ck.state_dict, weights="int8")(IDS)
+    got = prepared_model(load_checkpoint(b, with_tokenizer=False, read_weights=False), "int8", progress=False)
+    assert torch.equal(got(IDS), want)
+
+
+def test_a_changed_source_file_is_prepared_again(cache, tmp_path):
+    import shutil
+    d = tmp_path / "model"
+    shutil.copytree(tiny_dir("llama", seed=0), d)
+    prepared_model(load_checkpoint(str(d), with_tokenizer=False, read_weights=False), "int8", progress=False)
+    for f in d.glob("*.safetensors"):
+        f.unlink()
+    for f in Path(tiny_dir("llama", seed=2)).glob("*.safetensors"):
+        shutil.copy(f, d / f.name)
+    ck = load_checkpoint(str(d), with_tokenizer=False)
+    want = build_model(ck.config, ck.state_dict, weights="int8")(IDS)
+    got = prepared_model(load_checkpoint(str(d), with_tokenizer=False, read_weights=False), "int8",
+                         progress=False)
+    assert torch.equal(got(IDS), want)
+    assert len(_entries(cache)) == 2
+
+
+def test_a_killed_build_leaves_nothing(cache, monkeypatch):
+    d = tiny_dir("llama")
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(torch, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        prepared_model(load_checkpoint(d, with_tokenizer=False, read_weights=False), "int8", progress=False)
+    assert _entries(cache) == []
+    monkeypatch.undo()
+    monkeypatch.setenv("LONGATTN_CACHE", str(cache))
+    ck = load_checkpoint(d, with_tokenizer=False)
+    want = build_model(ck.config, ck.state_dict, weights="int8")(IDS)
+    got = prepared_model(load_checkpoint(d, with_tokenizer=False, read_weights=False), "int8", progress=False)
+    assert torch.equal(got(IDS), want)
+    assert len(_entries(cache)) == 1
+
+
+def test_a_damaged_entry_is_prepared_again(cache):
+    d = tiny_dir("llama")
+    prepared_model(load_checkpoint(d, with_tokenizer=False, read_weights=False), "int8", progress=False)
+    (entry,) = _entries(cache)
+    f = entry / MODEL_FILE
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    st = f.stat()
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # a new stat: hashed again
+    ck = load_checkpoint(d, with_tokenizer=False)
+    want = build_model(ck.config, ck.state_dict, weights="int8")(IDS)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = prepared_model(load_checkpoint(d, with_tokenizer=False, read_weights=False), "int8",
+                             progress=False)
+    assert any("damaged" in str(x.message) for x in w)
+    assert torch.equal(got(IDS), want)
+
+
+def test_state_of_another_model_is_refused():
+    a = load_checkpoint(tiny_dir("llama"), with_tokenizer=False)
+    b = load_checkpoint(tiny_dir("gemma2"), with_tokenizer=False)
+    state = build_model(b.config, b.state_dict, weights="int8").state_dict()
+    with pytest.raises(LongattnError, match="do not match"):
+        from_prepared(a.config, state, "int8")
+
+
+def test_f32_is_built_from_the_checkpoint(cache):
+    d = tiny_dir("llama")
+    m = prepared_model(load_checkpoint(d, with_tokenizer=False, read_weights=False), "f32", progress=False)
+    assert m.weights == "f32" and _entries(cache) == []
