@@ -37,13 +37,15 @@ def from_prepared(cfg: ModelConfig, state: dict, recipe: str) -> Transformer:
     if fmt not in PREPARED_FORMATS:
         raise LongattnError(f"{fmt} weights are read from the checkpoint, not prepared")
     int8_kernel.available()  # builds or loads the kernel outside the meta-device block below
+    # Only factory calls run on the meta device: any arithmetic there would go through
+    # torch's Python decompositions and import torch._dynamo (~0.7 s of every start).
     with torch.device("meta"):
         m = Transformer(cfg)
         for block in m.model.layers:
-            block.self_attn.fuse()
-            block.mlp.fuse()
+            block.self_attn.fuse(structure_only=True)
+            block.mlp.fuse(structure_only=True)
         if fmt in ("int8", "int4"):
-            _quantize(m, cfg, fmt, keep)
+            _quantize(m, cfg, fmt, keep, structure_only=True)
     want = set(m.state_dict())
     if want != set(state):
         missing, extra = sorted(want - set(state)), sorted(set(state) - want)

@@ -84,7 +84,7 @@ def check_rope_scaling(s: dict | None, head_dim: int) -> dict | None:
 
 def _base_inv_freq(head_dim: int, theta) -> torch.Tensor:
     """``[head_dim // 2]`` plain rope inverse frequencies (``theta`` a float or 0-d tensor)."""
-    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None, max_context: int = 0,
@@ -100,10 +100,10 @@ def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None, m
     if t == "linear":
         return _base_inv_freq(dim, theta) / float(scaling["factor"]), 1.0
     if t == "freq_factors":
-        return _base_inv_freq(dim, theta) / torch.tensor(scaling["factors"], dtype=torch.float32), 1.0
+        return _base_inv_freq(dim, theta) / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu"), 1.0
     if t == "dynamic":
         factor = float(scaling["factor"])
-        n = torch.tensor(max(seq_len or max_context, max_context), dtype=torch.int64)
+        n = torch.tensor(max(seq_len or max_context, max_context), dtype=torch.int64, device="cpu")
         base = theta * ((factor * n / max_context) - (factor - 1)) ** (dim / (dim - 2))
         return _base_inv_freq(dim, base), 1.0
     if t == "llama3":
@@ -117,8 +117,8 @@ def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None, m
         if af is None:
             af = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
         ext = scaling["long_factor"] if seq_len and seq_len > orig else scaling["short_factor"]
-        shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-        return 1.0 / (torch.tensor(ext, dtype=torch.float32) * theta ** shape), float(af)
+        shape = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+        return 1.0 / (torch.tensor(ext, dtype=torch.float32, device="cpu") * theta ** shape), float(af)
     raise LongattnError(f"rope_type '{t}' is not implemented")
 
 
@@ -156,8 +156,8 @@ def _yarn(dim: int, theta: float, s: dict) -> tuple[torch.Tensor, float]:
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # as transformers: avoid a zero-width ramp
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    pos_freqs = theta ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2, device="cpu").to(dtype=torch.float) / dim)
     extra_w = 1 - ramp  # weight of the original (extrapolated) frequency
     f = (1.0 / (factor * pos_freqs)) * (1 - extra_w) + (1.0 / pos_freqs) * extra_w
     return f, float(af)

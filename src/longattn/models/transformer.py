@@ -8,7 +8,6 @@ Shapes: hidden states ``[B, T, hidden]``; q/k/v ``[B, heads, T, head_dim]``; pos
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn as nn
@@ -18,8 +17,8 @@ from ..config import ModelConfig
 from ..errors import LongattnError
 from ..ops import int8_kernel
 from .rope import SEQ_DEPENDENT, apply_rope, inv_freq, rope_cos_sin, rope_frequencies
-from .weights import (dequantize_int4, dequantize_int8, int4_applies, int4_matmul, int8_matmul, parse_weights,
-                      quantize_int4, quantize_int8)
+from .weights import (INT4_GROUP, dequantize_int4, dequantize_int8, int4_applies, int4_matmul, int8_matmul,
+                      parse_weights, quantize_int4, quantize_int8)
 
 
 class RMSNorm(nn.Module):
@@ -86,23 +85,38 @@ class Linear(nn.Module):
         self.register_buffer("qweight", None)  # int8 [N, K] once to_int8() ran (weight is None)
         self.register_buffer("codes", None)  # uint8 [N, K/2] once to_int4() ran (weight is None)
 
-    def to_int4(self) -> None:
-        """4-bit groups where the row length allows it (a multiple of 32), int8 otherwise."""
+    def to_int4(self, structure_only: bool = False) -> None:
+        """4-bit groups where the row length allows it (a multiple of 32), int8 otherwise.
+        ``structure_only``: empty buffers of the right shapes (models.prepared fills them)."""
         if not int4_applies(self.weight):
-            return self.to_int8()
-        codes, steps, offsets = quantize_int4(self.weight.data)
+            return self.to_int8(structure_only)
+        N, K = self.weight.shape
+        if structure_only:
+            half = torch.float16
+            parts = (torch.empty(N, K // 2, dtype=torch.uint8), torch.empty(N, K // INT4_GROUP, dtype=half),
+                     torch.empty(N, K // INT4_GROUP, dtype=half))
+        else:
+            parts = quantize_int4(self.weight.data)
+        codes, steps, offsets = parts
         self.weight = None
         self.codes = codes
         self.register_buffer("steps", steps)  # float16 [N, K/32]
         self.register_buffer("offsets", offsets)  # float16 [N, K/32]
         self.kernel = "avx2" if int8_kernel.available() else "torch"  # see to_int8
 
-    def to_int8(self) -> None:
-        q, scales = quantize_int8(self.weight.data)
+    def to_int8(self, structure_only: bool = False) -> None:
+        """Per-row int8; ``structure_only`` as in to_int4."""
+        N, K = self.weight.shape
+        if structure_only:
+            q, scales, scales_bf16 = (torch.empty(N, K, dtype=torch.int8), torch.empty(N),
+                                      torch.empty(N, dtype=torch.bfloat16))
+        else:
+            q, scales = quantize_int8(self.weight.data)
+            scales_bf16 = scales.to(torch.bfloat16)
         self.weight = None
         self.qweight = q
         self.register_buffer("scales", scales)
-        self.register_buffer("scales_bf16", scales.to(torch.bfloat16))
+        self.register_buffer("scales_bf16", scales_bf16)
         # Chosen (and the kernel built) here, not in forward: a plain string is a constant
         # to torch.compile, and a first-call build must not happen inside a trace.
         self.kernel = "avx2" if int8_kernel.available() else "aten"
@@ -145,6 +159,18 @@ class QuantEmbedding(nn.Module):
         return t.qweight[ids].float() * t.scales[ids][..., None]
 
 
+def _fused(parts: list, structure_only: bool) -> "Linear":
+    """One Linear whose rows are ``parts``' rows in order (their weights concatenated, biases
+    too); with ``structure_only`` an empty one of that shape."""
+    n_in, bias = parts[0].weight.shape[1], parts[0].bias is not None
+    out = Linear(n_in, sum(p.weight.shape[0] for p in parts), bias)
+    if not structure_only:
+        out.weight.data = torch.cat([p.weight.data for p in parts])
+        if bias:
+            out.bias.data = torch.cat([p.bias.data for p in parts])
+    return out
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -154,14 +180,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, b)
         self.act = (lambda t: F.gelu(t, approximate="tanh")) if cfg.activation == "gelu_tanh" else F.silu
 
-    def fuse(self) -> None:
-        """Replace gate/up by one [2*I, hidden] projection (one weight read, one call)."""
-        w = torch.cat([self.gate_proj.weight.data, self.up_proj.weight.data])
-        bias = self.gate_proj.bias is not None
-        self.gate_up = Linear(w.shape[1], w.shape[0], bias)
-        self.gate_up.weight.data = w
-        if bias:
-            self.gate_up.bias.data = torch.cat([self.gate_proj.bias.data, self.up_proj.bias.data])
+    def fuse(self, structure_only: bool = False) -> None:
+        """Replace gate/up by one [2*I, hidden] projection (one weight read, one call).
+        ``structure_only``: an empty projection of the fused shape (models.prepared fills it)."""
+        self.gate_up = _fused([self.gate_proj, self.up_proj], structure_only)
         self.gate_proj = self.up_proj = None
 
     def forward(self, x):
@@ -195,7 +217,7 @@ class MoEMLP(nn.Module):
         self.experts = Experts(cfg)
         self.top_k, self.alpha, self.limit = cfg.experts_per_token, cfg.swiglu_alpha, cfg.swiglu_limit
 
-    def fuse(self) -> None:
+    def fuse(self, structure_only: bool = False) -> None:
         """Nothing to fuse: each expert is one matmul pair already."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -252,14 +274,10 @@ class Attention(nn.Module):
             return rope_cos_sin(pos, f, factor)
         return rope_cos_sin(pos, self.inv_freq, self.rope_factor)
 
-    def fuse(self) -> None:
-        """Replace q/k/v by one projection (one weight read and one call per step)."""
-        parts = [self.q_proj, self.k_proj, self.v_proj]
-        w = torch.cat([p.weight.data for p in parts])
-        self.qkv = Linear(w.shape[1], w.shape[0], parts[0].bias is not None)
-        self.qkv.weight.data = w
-        if parts[0].bias is not None:
-            self.qkv.bias.data = torch.cat([p.bias.data for p in parts])
+    def fuse(self, structure_only: bool = False) -> None:
+        """Replace q/k/v by one projection (one weight read and one call per step);
+        ``structure_only`` as in MLP.fuse."""
+        self.qkv = _fused([self.q_proj, self.k_proj, self.v_proj], structure_only)
         self.q_proj = self.k_proj = self.v_proj = None
 
     def project_qkv(self, x):
@@ -328,7 +346,10 @@ class Block(nn.Module):
 class _Inner(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # given its (empty) table, Embedding skips its random init: weights are always loaded,
+        # and that init's first call imports torch._dynamo (~0.7 s of every start)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
@@ -458,12 +479,14 @@ def set_rope_tables(m: Transformer, cfg: ModelConfig) -> None:
                                             cfg.layer_rope_scaling[layer], cfg.max_context)
 
 
-def _quantize(m: Transformer, cfg: ModelConfig, fmt: str, keep_int8: tuple = ()) -> None:
+def _quantize(m: Transformer, cfg: ModelConfig, fmt: str, keep_int8: tuple = (),
+              structure_only: bool = False) -> None:
     """Every Linear and the embedding table to int8 or int4 (in place, after fusing); with
-    int4, modules whose name contains a ``keep_int8`` fragment go to int8."""
+    int4, modules whose name contains a ``keep_int8`` fragment go to int8. ``structure_only``:
+    empty buffers of the quantized shapes, nothing computed (models.prepared)."""
     def quantize(mod: Linear, name: str) -> None:
         int8 = fmt == "int8" or any(frag in name for frag in keep_int8)
-        mod.to_int8() if int8 else mod.to_int4()
+        mod.to_int8(structure_only) if int8 else mod.to_int4(structure_only)
 
     for name, mod in list(m.named_modules()):
         if isinstance(mod, Linear):
