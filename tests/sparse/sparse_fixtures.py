@@ -13,6 +13,8 @@ autouse fixture in tests/conftest.py).
 
 from __future__ import annotations
 
+import torch
+
 from longattn.sparse import SCSAConfig
 from longattn.sparse.synthetic import synthetic_cache
 
@@ -51,3 +53,22 @@ def decode_run(start: int, steps: int, heads: int, kv_heads: int, head_dim: int,
     cache = synthetic_cache(start + steps, kv_heads, head_dim, seed=seed)
     qs = cache.queries(steps, heads, seed=query_seed)
     return [(qs[i], cache.k[:, :, :start + i + 1], cache.v[:, :, :start + i + 1]) for i in range(steps)]
+
+
+INDEX_FIELDS = ("counts", "log_counts", "summ", "resid", "vmean", "diagvar", "eigval", "slots", "pad_bias",
+                "out_slots")
+
+
+def assert_same_index(a, b):
+    """Two ClusterIndexes hold the same clusters, summaries, packed rows and tree, bit for bit."""
+    assert (a.seal_end, a.num_clusters, a.frozen_blocks) == (b.seal_end, b.num_clusters, b.frozen_blocks)
+    M = a.num_clusters
+    for name in INDEX_FIELDS:
+        x, y = getattr(a, name), getattr(b, name)
+        dim = 0 if name in ("counts", "log_counts", "pad_bias") else 1
+        assert torch.equal(x.narrow(dim, 0, M), y.narrow(dim, 0, M)), name
+    for name in a.store._fields():
+        assert torch.equal(getattr(a.store, name)[:, :M], getattr(b.store, name)[:, :M]), name
+    if a.tree is not None:
+        for name in ("counts", "summ", "resid", "vmean", "children"):
+            assert torch.equal(getattr(a.tree, name), getattr(b.tree, name)), name

@@ -5,31 +5,13 @@ import pytest
 import torch
 
 from longattn.sparse import SCSALayer
-from sparse_fixtures import attn_case, small_cfg as _small_cfg
+from sparse_fixtures import assert_same_index, attn_case, small_cfg as _small_cfg
 
 H, HKV, D = 4, 2, 32
 
 
 def small_cfg(**kw):
     return _small_cfg(**{"tau_default": 0.05, **kw})
-
-
-INDEX_FIELDS = ("counts", "log_counts", "summ", "resid", "vmean", "diagvar", "eigval", "slots", "pad_bias",
-                "out_slots")
-
-
-def assert_same_index(a, b):
-    assert (a.seal_end, a.num_clusters, a.frozen_blocks) == (b.seal_end, b.num_clusters, b.frozen_blocks)
-    M = a.num_clusters
-    for name in INDEX_FIELDS:
-        x, y = getattr(a, name), getattr(b, name)
-        dim = 0 if name in ("counts", "log_counts", "pad_bias") else 1
-        assert torch.equal(x.narrow(dim, 0, M), y.narrow(dim, 0, M)), name
-    for name in a.store._fields():
-        assert torch.equal(getattr(a.store, name)[:, :M], getattr(b.store, name)[:, :M]), name
-    if a.tree is not None:
-        for name in ("counts", "summ", "resid", "vmean", "children"):
-            assert torch.equal(getattr(a.tree, name), getattr(b.tree, name)), name
 
 
 @pytest.mark.parametrize("packing, hierarchical, outliers", [("q8_0", False, 0), ("f16", True, 0),

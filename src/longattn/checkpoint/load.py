@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import warnings
 from pathlib import Path
@@ -27,6 +26,7 @@ from ..errors import LongattnError
 from .bundled import resolve_model
 from .digest import content_digest, remember_digest
 from .paths import atomic_dir, cache_root, remove_path, temp_prefix
+from .tokenizer import checkpoint_tokenizer, load_tokenizer
 
 CONVERTER_VERSION = "3"  # bump when the converted layout or config reading changes
 CHECKSUM = "checksum.json"  # SHA-256 of the entry's files, written last
@@ -59,34 +59,6 @@ class LoadedCheckpoint:
     def state_dict(self, sd: dict | None) -> None:
         """Set the weights; ``None`` drops them (they are read again on next use)."""
         self._state_dict = sd
-
-
-def _quiet_transformers():
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", module="transformers")
-
-
-def load_tokenizer(path: Path, gguf_file: str | None = None, what: str | None = None):
-    """transformers' tokenizer of an HF directory (or of ``gguf_file`` in it).
-
-    Raises:
-        LongattnError: the tokenizer files are damaged (one line naming ``what``, default
-            the directory or file).
-    """
-    _quiet_transformers()
-    from transformers import AutoTokenizer
-    try:
-        if gguf_file is not None:
-            return AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file)
-        return AutoTokenizer.from_pretrained(str(path))
-    except (KeyboardInterrupt, MemoryError):
-        raise
-    except Exception as e:  # tokenizers and transformers raise many types for a damaged file
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise LongattnError(f"cannot read the tokenizer of {what or Path(path) / (gguf_file or '')}: "
-                            f"{first}; the tokenizer files are damaged") from None
 
 
 def _complete(entry: Path) -> bool:
@@ -178,7 +150,7 @@ def _open_checkpoint(name_or_path: str, progress: bool, with_tokenizer: bool) ->
         files = hf_dir_weight_files(src)
         tok = None
         if with_tokenizer and any((src / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
-            tok = load_tokenizer(src)
+            tok = checkpoint_tokenizer(src)
         # remembered only once the weights proved good (prepared.py): a refused run leaves no trace
         digest = content_digest([src / "config.json", *files], remember=False)
         ck = LoadedCheckpoint(name, src, cfg, None, tok, lambda: load_hf_weights(src, cfg), cache_key(digest))
@@ -201,7 +173,7 @@ def _open_checkpoint(name_or_path: str, progress: bool, with_tokenizer: bool) ->
         raise LongattnError(f"converted cache entry {target} is damaged ({e}); delete it and retry") from None
     tok = None
     if with_tokenizer:
-        tok = load_tokenizer(target / "tokenizer", what=f"the converted cache entry {target} "
+        tok = checkpoint_tokenizer(target / "tokenizer", what=f"the converted cache entry {target} "
                              "(delete it and retry)")
     return LoadedCheckpoint(name, src, cfg, None, tok, lambda: _read_converted(target), target.name)
 

@@ -10,12 +10,13 @@ import torch
 
 from .bundled import resolve_model
 from .digest import content_digest, remember_digest
-from .load import _quiet_transformers, cache_key
+from .load import cache_key
+from .tokenizer import quiet_transformers
 from .paths import atomic_dir, cache_root
 
 
 def oracle_dir(name_or_path: str) -> str:
-    _quiet_transformers()
+    quiet_transformers()
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
     _, src = resolve_model(name_or_path)
@@ -39,6 +40,6 @@ def oracle_dir(name_or_path: str) -> str:
 
 def oracle_model(name_or_path: str, dtype=torch.float32):
     """A transformers AutoModelForCausalLM on the same weights, in eval mode."""
-    _quiet_transformers()
+    quiet_transformers()
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(oracle_dir(name_or_path), dtype=dtype).eval()

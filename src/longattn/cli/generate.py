@@ -32,8 +32,14 @@ def add_parser(sub) -> None:
     p.add_argument("--compile", action="store_true",
                    help="decode with the fixed-shape step compiled by torch.compile (first step compiles)")
     add_policy_args(p)
+    p.add_argument("--sparse-calibrate", action="store_true", default=argparse.SUPPRESS,
+                   help="sparse: calibrate the taus in this run's first decode steps (run exactly) "
+                        "instead of reusing the taus an earlier run on this model kept in the cache")
     add_context_arg(p)
     add_json_arg(p)
+    p.add_argument("--token-trace", action="store_true",
+                   help="with --json: each new token's id and its time since process start "
+                        "(token_ids, token_times_s)")
     p.set_defaults(func=run)
 
 
@@ -100,20 +106,22 @@ def run(args) -> int:
         print(f"-- compiled in {session.warmup():.1f} s", file=sys.stderr)
     else:
         session = Session(model, policy)
+    taus = SparseTaus(ck, model, policy, getattr(args, "sparse_calibrate", False))
     streamer = TextStreamer(ck.tokenizer)
     if not args.json:
         sys.stdout.write(text if not args.chat else "")
-    first_token = []
+    token_times = []  # process age at the first token (at every token with --token-trace)
 
     def on_token(stream: int, token: int) -> None:
-        if not first_token:
-            first_token.append(process_age_seconds())
+        if not token_times or args.token_trace:
+            token_times.append(process_age_seconds())
         if not args.json:
             streamer(stream, token)
     res = generate(session, [ids], args.max_new_tokens, sampling, stop_ids=set(ck.config.eos_token_ids),
                    chunk=args.chunk, on_token=on_token)
     if not args.json:
         streamer.finish()
+    taus.finish()
     n = res.new_tokens
     tps = n / res.decode_seconds if res.decode_seconds > 0 else float("nan")
     pps = res.prompt_tokens / res.prefill_seconds if res.prefill_seconds > 0 else float("nan")
@@ -122,11 +130,56 @@ def run(args) -> int:
                "cache_bytes": res.cache_bytes, "threads": args.threads, "weights": model.weights,
                "compiled": bool(args.compile), "load_s": round(load_s, 3),
                "prefill_s": round(res.prefill_seconds, 3), "decode_s": round(res.decode_seconds, 3),
-               "first_token_after_start_s": round(first_token[0], 2) if first_token else None,
-               "peak_rss_bytes": peak_rss_bytes(),
+               "first_token_after_start_s": round(token_times[0], 2) if token_times else None,
+               "peak_rss_bytes": peak_rss_bytes(), **taus.report(),
+               **({"token_ids": res.tokens[0], "token_times_s": [round(t, 3) for t in token_times]}
+                  if args.token_trace else {}),
                "text": ck.tokenizer.decode(res.tokens[0], skip_special_tokens=True)}
     print(f"-- {ck.name}: {res.prompt_tokens} prompt + {n} new tokens, prefill {pps:.1f} tok/s, "
-          f"decode {tps:.1f} tok/s, cache {res.cache_bytes / 2**20:.2f} MiB", file=sys.stderr if args.json else sys.stdout)
+          f"decode {tps:.1f} tok/s, cache {res.cache_bytes / 2**20:.2f} MiB{taus.summary()}",
+          file=sys.stderr if args.json else sys.stdout)
     if args.json:
         emit_json(summary)
     return 0
+
+
+class SparseTaus:
+    """A sparse run's taus: reused from the cache when an earlier run on this model kept them
+    (decode is sparse from its first step), else calibrated in the first decode steps and kept
+    for later runs once every sparse layer has chosen. ``report()`` and ``summary()`` say which,
+    and where the sparse layers' time went. A no-op for other policies."""
+
+    def __init__(self, ck, model, policy, calibrate: bool):
+        from ..sparse.policy import sparse_ops
+        self.policy, self.source, self.path = policy, None, None
+        if not sparse_ops(policy):
+            return
+        self.source = "calibrated in this run"
+        if ck.weights_key is not None:
+            from ..sparse.tau_cache import load_cached_taus, tau_cache_path
+            self.path = tau_cache_path(ck.weights_key, model.weights, policy)
+            if not calibrate and load_cached_taus(self.path, policy, ck.config):
+                self.source = "reused from the cache"
+
+    def finish(self) -> None:
+        """After the run: keep newly calibrated taus for the next run."""
+        if self.source == "calibrated in this run" and self.path is not None:
+            from ..sparse.tau_cache import store_taus
+            if not store_taus(self.path, self.policy):
+                self.source = "calibration unfinished (too few decode steps past min_context)"
+
+    def report(self) -> dict:
+        if self.source is None:
+            return {}
+        from ..sparse.policy import sparse_seconds
+        secs = sparse_seconds(self.policy)
+        return {"sparse": {"taus": self.source, "index_in_prefill_s": round(secs["index_prefill"], 3),
+                           "index_in_decode_s": round(secs["index_decode"], 3),
+                           "calibration_s": round(secs["calibration"], 3)}}
+
+    def summary(self) -> str:
+        if self.source is None:
+            return ""
+        s = self.report()["sparse"]
+        return (f"; sparse taus {s['taus']}, index {s['index_in_prefill_s']:.2f} s in prefill + "
+                f"{s['index_in_decode_s']:.2f} s in decode, calibration {s['calibration_s']:.2f} s")

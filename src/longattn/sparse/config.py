@@ -100,6 +100,12 @@ class SCSAConfig:
             taken before any read. Calibration replays the same rule.
         serial: use the slow per-cluster reference path (the reference the fast paths are
             tested against; diagnostics).
+
+    Wiring (sparse/policy.py), not the operator:
+        index_in_prefill: seal every full block of the prompt into the index while the prefill
+            runs (once the cache holds ``min_context`` tokens), so decode starts with only the
+            last, partial block to build. Frozen blocks never change, so the index, the
+            counters and the outputs are the ones a build at the first decode step gives.
     """
 
     cluster_size: int = 128
@@ -123,6 +129,7 @@ class SCSAConfig:
     dense_when_cheaper: bool = True
     probe_dims: int = 0
     probe_keys: int = 1
+    index_in_prefill: bool = True
     # --- experimental (see the docstring's last block) ---
     hierarchical: bool = False
     tree_fanout: int = 4

@@ -18,6 +18,7 @@ choice) and tau IO (``taus.py``), which its public methods call.
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
 
 import torch
@@ -118,6 +119,9 @@ class SCSALayer:
         self.group = num_heads // num_kv_heads
         self.layer_index = layer_index
         self.counters = {name: 0 for name in COUNTER_NAMES}
+        # wall seconds spent sealing blocks (during prefill, sparse/policy.py; at decode steps)
+        # and in calibrating calls (each call's exact attention and tau-grid replay)
+        self.seconds = {"index_prefill": 0.0, "index_decode": 0.0, "calibration": 0.0}
         self.taus = torch.full((num_kv_heads,), float(cfg.tau_default))
         # heads that must attend exactly (no tau meets the tolerance; see exact_when_unmet)
         self.exact_heads = torch.zeros(num_kv_heads, dtype=torch.bool)
@@ -162,14 +166,19 @@ class SCSALayer:
             return self._dense(q, k, v, scale)
         if len(self.indexes) != B:
             self.indexes = [ClusterIndex(self.cfg, self.num_kv_heads, D) for _ in range(B)]
+        t0 = time.perf_counter()
         for b, index in enumerate(self.indexes):
             if index.update(k[b], v[b]):
                 self.counters["rebuilds"] += 1
+        self.seconds["index_decode"] += time.perf_counter() - t0
         if all(index.num_clusters == 0 for index in self.indexes):
             self.counters["exact_rows"] += B * self.num_kv_heads * N
             return self._dense(q, k, v, scale)
         if not self.calibrated:
-            return calibrate.calibration_call(self, q, k, v, scale)
+            t0 = time.perf_counter()
+            out = calibrate.calibration_call(self, q, k, v, scale)
+            self.seconds["calibration"] += time.perf_counter() - t0
+            return out
         if B == 1:  # the decode loop's case: no per-row list, stack or cast beyond what is needed
             k0, v0 = k[0], v[0]
             out = self._row(0, q[0, :, 0], k0, v0, scale, self.taus).view(1, H, 1, D)

@@ -8,12 +8,14 @@ windowed layers keep their trained windows (or an imposed window + sinks).
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 from ..errors import LongattnError
 from ..policy import AttentionPolicy, LayerPolicy, WindowOp, register_op
 from . import taus as tau_io
 from .config import SCSAConfig
+from .index import ClusterIndex
 from .layer import SCSALayer
 
 
@@ -32,7 +34,11 @@ class SparseOp:
     def __call__(self, q, q_pos, k, v, k_pos, scale, softcap=None, layer=0, cache=None):
         B, H, Tq, D = q.shape
         if Tq > 1 or softcap is not None or cache is None or k.shape[2] < self.cfg.min_context:
-            return self.dense(q, q_pos, k, v, k_pos, scale, softcap, layer, cache)
+            out = self.dense(q, q_pos, k, v, k_pos, scale, softcap, layer, cache)
+            if Tq > 1 and cache is not None and softcap is None and self.cfg.index_in_prefill \
+                    and k.shape[2] >= self.cfg.min_context and not bool((k_pos < 0).any()):
+                self._grow_index(H, k, v)
+            return out
         if self.scsa is None:
             self.scsa = SCSALayer(self.cfg, H, k.shape[1], D, layer_index=self.layer_index)
         # SCSA reads the append-only cache slot i = i-th token; padding slots would break that.
@@ -42,6 +48,31 @@ class SparseOp:
             self.scsa.count_exact_call(B, k.shape[2])
             return self.dense(q, q_pos, k, v, k_pos, scale, softcap, layer, cache)
         return self.scsa.attend(q, k, v, scale)
+
+
+    def _grow_index(self, num_heads: int, k, v) -> None:
+        """Seal the full blocks of the prompt so far (``k, v [B, Hkv, N, D]``) into each row's
+        index, so the first decode step builds only the last, partial block. A layer that
+        attends exactly after calibration keeps no index (SCSALayer.attend), so it is skipped."""
+        cfg = self.cfg
+        B, Hkv, N, D = k.shape
+        full = (N - cfg.sink - cfg.recent) // cfg.block_size
+        if full < 1:
+            return
+        if self.scsa is None:
+            self.scsa = SCSALayer(cfg, num_heads, Hkv, D, layer_index=self.layer_index)
+        layer = self.scsa
+        if layer.runs_exact:
+            return
+        if len(layer.indexes) != B:
+            layer.indexes = [ClusterIndex(cfg, Hkv, D) for _ in range(B)]
+        sealed = cfg.sink + full * cfg.block_size
+        n = sealed + cfg.recent  # the cache length at which exactly these blocks are sealed
+        t0 = time.perf_counter()
+        for b, index in enumerate(layer.indexes):
+            if index.seal_end < sealed:  # not a decode call's rebuild: counters["rebuilds"] stays
+                index.update(k[b, :, :n], v[b, :, :n])
+        layer.seconds["index_prefill"] += time.perf_counter() - t0
 
 
 register_op("sparse", lambda lp, policy, layer: SparseOp(lp, policy, layer))
@@ -128,3 +159,18 @@ def save_taus(policy: AttentionPolicy, path) -> None:
         if op.scsa is not None:
             taus.update(tau_io.layer_entries(op.layer_index, op.scsa.tau_values()))
     tau_io.write_taus(path, taus)
+
+
+def sparse_seconds(policy: AttentionPolicy) -> Optional[dict]:
+    """Seconds the sparse layers spent sealing blocks during prefill (``index_prefill``) and at
+    decode steps (``index_decode``), and in calibrating calls (``calibration``), summed over
+    layers; None without sparse layers."""
+    ops = sparse_ops(policy)
+    if not ops:
+        return None
+    out = {"index_prefill": 0.0, "index_decode": 0.0, "calibration": 0.0}
+    for op in ops:
+        if op.scsa is not None:
+            for k in out:
+                out[k] += op.scsa.seconds[k]
+    return out

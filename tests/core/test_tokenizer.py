@@ -1,0 +1,62 @@
+"""The checkpoint tokenizer (the `tokenizers` library for encode and decode) gives transformers'
+ids and text, exactly, on the three bundled models; everything else comes from transformers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import real_checkpoint
+from longattn.checkpoint.tokenizer import CheckpointTokenizer, checkpoint_tokenizer, load_tokenizer
+from longattn.data import all_books_text
+from longattn.errors import LongattnError
+
+MODELS = ["smollm2-135m", "gemma3-270m", "qwen2.5-0.5b"]
+ODD = ["", " ", "Hello  world\n\n", "<|im_start|>user\nhi<|im_end|>", "<start_of_turn>user hi<end_of_turn>",
+       "café naïve — “quotes” 日本語 🙂", "\t\ttabs  and   spaces  ", "<bos><eos><pad>"]
+
+
+def _samples() -> list:
+    text = all_books_text()
+    return [text[i:i + 2500] for i in range(0, 150_000, 5_000)] + ODD
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("name", MODELS)
+def test_bundled_tokenizers_equal_transformers(name):
+    tok = real_checkpoint(name).tokenizer
+    assert isinstance(tok, CheckpointTokenizer)
+    hf = load_tokenizer(tok._path)
+    for s in _samples():
+        ids = tok(s)["input_ids"]
+        assert ids == hf(s)["input_ids"], s[:60]
+        for skip in (True, False):
+            assert tok.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+    assert tok.eos_token_id == hf.eos_token_id  # from transformers, on first use
+    assert tok.convert_ids_to_tokens(5) == hf.convert_ids_to_tokens(5)
+
+
+def _tokenizer_dir(tmp_path, config: dict):
+    d = tmp_path / "tok"
+    d.mkdir()
+    src = real_checkpoint("smollm2-135m").tokenizer._path
+    (d / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    return d
+
+
+def test_settings_transformers_applies_itself_send_the_directory_to_transformers(tmp_path):
+    assert isinstance(checkpoint_tokenizer(_tokenizer_dir(tmp_path, {})), CheckpointTokenizer)
+    d = tmp_path / "b"
+    d.mkdir()
+    other = _tokenizer_dir(d, {"clean_up_tokenization_spaces": True})
+    assert not isinstance(checkpoint_tokenizer(other), CheckpointTokenizer)
+
+
+@pytest.mark.parametrize("damage", ["tokenizer.json", "tokenizer_config.json"])
+def test_damaged_files_are_one_line(tmp_path, damage):
+    d = _tokenizer_dir(tmp_path, {})
+    (d / damage).write_text("{ not json")
+    with pytest.raises(LongattnError, match="the tokenizer files are damaged"):
+        checkpoint_tokenizer(d, what="the test directory")
