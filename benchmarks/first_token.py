@@ -34,7 +34,9 @@ from pathlib import Path
 
 from common import RESULTS, write_result
 
-# Run by the llama.cpp arm's interpreter: argv = gguf, prompt file, new tokens, threads.
+# Run by the llama.cpp arm's interpreter: argv = gguf, prompt file, new tokens, threads, n_ctx
+# (the context it allocates: the prompt and the new tokens plus a margin, as a user sizes -c;
+# n_ctx=0 would allocate the model's whole trained context and inflate its RSS).
 LLAMACPP_DRIVER = r"""
 import json, os, sys, time
 def age():
@@ -42,10 +44,10 @@ def age():
     start = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
     return up - start / os.sysconf("SC_CLK_TCK")
 import llama_cpp
-gguf, prompt_file, n, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+gguf, prompt_file, n, threads, n_ctx = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 text = open(prompt_file, encoding="utf-8").read()
 t0 = time.perf_counter()
-llm = llama_cpp.Llama(gguf, n_threads=threads, n_threads_batch=threads, n_ctx=0, n_batch=512, verbose=False)
+llm = llama_cpp.Llama(gguf, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, n_batch=512, verbose=False)
 ids = llm.tokenize(text.encode(), add_bos=True)
 llm.n_ctx() >= len(ids) + n or sys.exit("prompt too long")
 load_s = time.perf_counter() - t0
@@ -144,7 +146,7 @@ def main():
                                      "--json"]}
                 if args.llamacpp_python:
                     arms["llama.cpp"] = [args.llamacpp_python, "-c", LLAMACPP_DRIVER, str(ck.source), str(f),
-                                         str(args.new_tokens), str(args.threads)]
+                                         str(args.new_tokens), str(args.threads), str(n + args.new_tokens + 64)]
                 got = {a: [] for a in arms}
                 for r in range(args.rounds + 1):  # round 0 warms the caches and is dropped
                     for arm, cmd in arms.items():

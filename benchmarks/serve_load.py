@@ -8,8 +8,10 @@ prefix-cache hit rate (from /metrics) and errors (any failed request counts).
 
 The same load runs against llama.cpp's OpenAI server (``python -m llama_cpp.server``,
 llama-cpp-python, the ``bench`` extra) on the same GGUF in the same run when llama_cpp
-imports; otherwise that arm is skipped with a note in the JSON. Servers run one at a time, on
-loopback, started and stopped by this script.
+imports (or in ``--llamacpp-python``'s interpreter); otherwise that arm is skipped with a note in
+the JSON. Both servers run on loopback, started and stopped by this script, and stay up for the
+whole run: each client count's load runs against one, then the other (alternated), so a drift
+of the machine falls on both arms alike.
 
     python benchmarks/serve_load.py --model smollm2-135m --clients 1,4,16 --turns 3
     python benchmarks/serve_load.py --clients 1 --turns 2 --max-tokens 4   # smoke
@@ -18,13 +20,12 @@ loopback, started and stopped by this script.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -109,9 +110,11 @@ def client_chat(base: str, model: str, turns: int, max_tokens: int, topic: str, 
                 rec["errors"].append(f"{type(e).__name__}: {e}")
             return
         with lock:
-            if first is not None:
-                rec["ttft"].append(first - t0)
-                rec["ttft_by_turn"].setdefault(turn, []).append(first - t0)
+            if first is None:  # an answer without text is a failure too (e.g. a cancelled request)
+                rec["errors"].append("empty reply")
+                return
+            rec["ttft"].append(first - t0)
+            rec["ttft_by_turn"].setdefault(turn, []).append(first - t0)
             rec["itl"].extend(gaps)
             rec["tokens"] += usage.completion_tokens if usage else len(parts)
         msgs += [{"role": "assistant", "content": "".join(parts)},
@@ -154,7 +157,10 @@ def run_load(base: str, model: str, pid: int, clients: int, turns: int, max_toke
 
 
 def start(cmd: list, env: dict) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True)
+    # the server's log goes to a file: a pipe nobody reads fills up (llama.cpp logs ~100 KB while
+    # loading) and blocks the server
+    log = tempfile.TemporaryFile(mode="w+")
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env, text=True)
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -166,24 +172,23 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def arm(name: str, cmd: list, model_id: str, port: int, args, metrics: bool) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    proc = start(cmd, env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_up(base + ("/health" if metrics else "/v1/models"), proc)
-        runs = []
-        for n in args.clients:
-            r = run_load(base, model_id, proc.pid, n, args.turns, args.max_tokens,
-                         base + "/metrics" if metrics else None)
-            print(f"{name:9s} clients={n:3d} decode {r['decode_tok_s']:8.1f} tok/s  ttft p50 "
-                  f"{r['ttft_p50_s'] * 1e3:7.0f} ms p99 {r['ttft_p99_s'] * 1e3:7.0f} ms  itl p50 "
-                  f"{r['itl_p50_s'] * 1e3:6.1f} ms  rss {r['peak_rss_mib']:7.0f} MiB  errors {r['errors']}",
-                  flush=True)
-            runs.append(r)
-        return {"runs": runs}
-    finally:
-        stop(proc)
+class Server:
+    """One server process on a loopback port, started and stopped by this script."""
+
+    def __init__(self, name: str, cmd: list, port: int, metrics: bool):
+        self.name, self.metrics = name, metrics
+        self.base = f"http://127.0.0.1:{port}"
+        self.proc = start(cmd, dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+        wait_up(self.base + ("/health" if metrics else "/v1/models"), self.proc)
+
+    def load(self, model_id: str, clients: int, args) -> dict:
+        r = run_load(self.base, model_id, self.proc.pid, clients, args.turns, args.max_tokens,
+                     self.base + "/metrics" if self.metrics else None)
+        print(f"{self.name:9s} clients={clients:3d} decode {r['decode_tok_s']:8.1f} tok/s  ttft p50 "
+              f"{r['ttft_p50_s'] * 1e3:7.0f} ms p99 {r['ttft_p99_s'] * 1e3:7.0f} ms  itl p50 "
+              f"{r['itl_p50_s'] * 1e3:6.1f} ms  rss {r['peak_rss_mib']:7.0f} MiB  errors {r['errors']}",
+              flush=True)
+        return r
 
 
 def main() -> int:
@@ -196,6 +201,8 @@ def main() -> int:
     ap.add_argument("--window", type=int, default=None, help="serve with this window on every layer")
     ap.add_argument("--sinks", type=int, default=0)
     ap.add_argument("--skip-llama", action="store_true", help="run longattn's arm only")
+    ap.add_argument("--llamacpp-python", default=None,
+                    help="interpreter with llama-cpp-python[server] installed (default: this one)")
     ap.add_argument("--out", default=str(RESULTS / "serve_load.json"))
     args = ap.parse_args()
     args.clients = [int(x) for x in args.clients.split(",")]
@@ -211,26 +218,46 @@ def main() -> int:
            "--served-name", name]
     if args.window:
         cmd += ["--window", str(args.window), "--sinks", str(args.sinks)]
-    doc["arms"]["longattn"] = arm("longattn", cmd, name, port, args, metrics=True)
-
-    if args.skip_llama:
-        doc["arms"]["llama.cpp"] = {"skipped": "--skip-llama"}
-    elif importlib.util.find_spec("llama_cpp") is None or src.suffix != ".gguf":
-        why = ("llama-cpp-python is not installed (pip install 'longattn[bench]')"
-               if importlib.util.find_spec("llama_cpp") is None else f"{src} is not a single GGUF file")
-        print(f"llama.cpp arm skipped: {why}", file=sys.stderr)
-        doc["arms"]["llama.cpp"] = {"skipped": why}
-    else:
-        port = free_port()
-        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(src), "--model_alias", name,
-               "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(args.threads),
-               "--n_threads_batch", str(args.threads), "--n_ctx", "8192"]
-        doc["arms"]["llama.cpp"] = arm("llama.cpp", cmd, name, port, args, metrics=False)
+    servers = {}
+    try:
+        servers["longattn"] = Server("longattn", cmd, port, metrics=True)
+        llama_py = args.llamacpp_python or sys.executable
+        has_llama = subprocess.run([llama_py, "-c", "import llama_cpp.server"], capture_output=True).returncode == 0
+        if args.skip_llama:
+            doc["arms"]["llama.cpp"] = {"skipped": "--skip-llama"}
+        elif not has_llama or src.suffix != ".gguf":
+            why = (f"{llama_py} cannot import llama_cpp.server (pip install 'llama-cpp-python[server]')"
+                   if not has_llama else f"{src} is not a single GGUF file")
+            print(f"llama.cpp arm skipped: {why}", file=sys.stderr)
+            doc["arms"]["llama.cpp"] = {"skipped": why}
+        else:
+            port = free_port()
+            servers["llama.cpp"] = Server("llama.cpp", [
+                llama_py, "-m", "llama_cpp.server", "--model", str(src), "--model_alias", name,
+                "--host", "127.0.0.1", "--port", str(port), "--n_threads", str(args.threads),
+                "--n_threads_batch", str(args.threads), "--n_ctx", "8192",
+                # by default a new request cancels the running one: concurrent clients would
+                # then get empty replies; queued, each gets its answer
+                "--interrupt_requests", "False"], port, metrics=False)
+        # both servers stay up (idle between loads); each client count runs on one, then the other
+        runs = {n: [] for n in servers}
+        for clients in args.clients:
+            for n, srv in servers.items():
+                runs[n].append(srv.load(name, clients, args))
+        for n in servers:
+            doc["arms"][n] = {"runs": runs[n]}
+    finally:
+        for srv in servers.values():
+            stop(srv.proc)
+    if "llama.cpp" in servers:
         ours, theirs = doc["arms"]["longattn"]["runs"], doc["arms"]["llama.cpp"]["runs"]
         doc["ratios"] = [{"clients": a["clients"], "decode_tok_s": a["decode_tok_s"] / b["decode_tok_s"]
-                          if b["decode_tok_s"] else float("nan")} for a, b in zip(ours, theirs)]
+                          if b["decode_tok_s"] else float("nan"),
+                          "ttft_p50": a["ttft_p50_s"] / b["ttft_p50_s"] if b["ttft_p50_s"] else float("nan")}
+                         for a, b in zip(ours, theirs)]
         for r in doc["ratios"]:
-            print(f"clients={r['clients']:3d}: longattn / llama.cpp decode throughput {r['decode_tok_s']:.2f}x")
+            print(f"clients={r['clients']:3d}: longattn / llama.cpp decode throughput {r['decode_tok_s']:.2f}x, "
+                  f"ttft p50 {r['ttft_p50']:.2f}x")
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ from conftest import tiny_dir, tiny_model
 import longattn.hf as lh
 from longattn.cache.factory import make_cache
 from longattn.errors import LongattnError
+from longattn.hf.policy import sink_policy
 from longattn.policy import AttentionPolicy
 from longattn.engine.session import Session
 
@@ -261,18 +262,20 @@ def test_detach_restores_transformers_attention_bit_for_bit():
 
 
 @pytest.mark.real
-def test_smollm2_generate_with_sink_cache_equals_engine():
-    """Real SmolLM2-135M: transformers' generate with SinkCache (window 24 + 4 sinks) gives
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m", "qwen2.5-0.5b"])
+def test_real_generate_with_sink_cache_equals_engine(name):
+    """The three bundled models: transformers' generate with SinkCache (window 24 + 4 sinks;
+    on Gemma 3 in place of its trained windows, its global layers staying global) gives
     longattn's greedy tokens; its logits stay within twice the two implementations' own
     disagreement on the full-attention run of the same tokens."""
     from conftest import book_text, oracle_model, real_checkpoint, real_model
-    name, W, S, n = "smollm2-135m", 24, 4, 24
+    W, S, n = 24, 4, 24
     ck, ours, hf = real_checkpoint(name), real_model(name), oracle_model(name)
     prompt = ck.tokenizer(book_text(600))["input_ids"][:40]
     cache = lh.apply(hf, window=W, sinks=S)
     tokens, hf_logits = hf_greedy(hf, cache, prompt, n)
     lh.detach(hf)
-    pol = AttentionPolicy.build(ours.config, "window", window=W, sinks=S)
+    pol = sink_policy(ours.config, window=W, sinks=S)
     assert engine_greedy(ours, pol, prompt, n) == tokens
     err = (hf_logits - engine_logits(ours, pol, prompt, tokens)).abs().max().item()
     dense = AttentionPolicy.build(ours.config, "dense")
