@@ -107,7 +107,7 @@ def apply(model, policy: Union[str, AttentionPolicy] = "sink", *, window: Option
     """Route ``model``'s attention through longattn and return a cache for ``generate``.
 
     Args:
-        model: a transformers causal LM of a served family (llama, qwen2, qwen3, gemma3 text),
+        model: a transformers causal LM of a served family (hf.policy.SERVED_MODEL_TYPES),
             on CPU.
         policy: "sink" (window + sinks: ``SinkCache`` / ``ShiftingSinkCache``), "sparse"
             (SCSA decode on the checkpoint's global layers, default SCSAConfig; ``window`` and

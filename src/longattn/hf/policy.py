@@ -13,7 +13,7 @@ from ..errors import LongattnError, check_int
 from ..policy import AttentionPolicy
 
 # model_type -> served. gemma3 (the multimodal wrapper) is refused: its text model is served.
-SERVED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gemma3_text")
+SERVED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gpt_oss")
 
 # The Cache / CacheLayerMixin / AttentionInterface API the adapter follows (tested on 5.23.0).
 TRANSFORMERS_RANGE = ((5, 23), (6, 0))  # [lower, upper)
