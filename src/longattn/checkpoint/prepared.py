@@ -78,11 +78,11 @@ def prepared_model(ck: LoadedCheckpoint, recipe: str, progress: bool = True):
 
     from ..models import build_model
     from ..models.prepared import PREPARED_FORMATS, from_prepared
-    from ..models.weights import parse_recipe
+    from ..models.weights import parse_recipe, recipe_name
     fmt, keep = parse_recipe(recipe)
     if fmt not in PREPARED_FORMATS or ck.weights_key is None:
         return build_model(ck.config, ck.state_dict, weights=fmt, keep_int8=keep)
-    canonical = fmt + (f"+int8:{','.join(keep)}" if keep else "")
+    canonical = recipe_name(fmt, keep)
     entry = cache_root() / "prepared" / prepared_key(ck.weights_key, canonical)
     if _complete(entry) and not entry_intact(entry, _files):
         warnings.warn(f"prepared weights {entry} are damaged (checksum mismatch); preparing again",

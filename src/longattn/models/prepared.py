@@ -16,7 +16,7 @@ from ..config import ModelConfig
 from ..errors import LongattnError
 from ..ops import int8_kernel
 from .transformer import Transformer, _quantize, set_rope_tables
-from .weights import parse_recipe
+from .weights import parse_recipe, recipe_name
 
 # Formats worth preparing: the ones whose prepared state is smaller than the float32 weights.
 PREPARED_FORMATS = ("bf16", "int8", "int4")
@@ -56,6 +56,6 @@ def from_prepared(cfg: ModelConfig, state: dict, recipe: str) -> Transformer:
     left = [n for n, t in [*m.named_parameters(), *m.named_buffers()] if t.is_meta]
     if left:
         raise LongattnError(f"prepared weights leave {left[:3]} unset")
-    m.weights = fmt + (f"+int8:{','.join(keep)}" if keep else "")
+    m.weights = recipe_name(fmt, keep)
     m.eval()
     return m

@@ -18,7 +18,7 @@ from ..errors import LongattnError
 from ..ops import int8_kernel
 from .rope import SEQ_DEPENDENT, apply_rope, inv_freq, rope_cos_sin, rope_frequencies
 from .weights import (INT4_GROUP, dequantize_int4, dequantize_int8, int4_applies, int4_matmul, int8_matmul,
-                      parse_weights, quantize_int4, quantize_int8)
+                      parse_weights, quantize_int4, quantize_int8, recipe_name)
 
 
 class RMSNorm(nn.Module):
@@ -467,7 +467,7 @@ def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype = torch.f
             block.mlp.fuse()
     if fmt in ("int8", "int4"):
         _quantize(m, cfg, fmt, tuple(keep_int8))
-    m.weights = fmt + (f"+int8:{','.join(keep_int8)}" if keep_int8 and fmt == "int4" else "")
+    m.weights = recipe_name(fmt, keep_int8)
     m.eval()
     return m
 

@@ -94,6 +94,13 @@ def parse_recipe(spec: str) -> tuple[str, tuple]:
     return fmt, frags
 
 
+def recipe_name(fmt: str, keep_int8: tuple = ()) -> str:
+    """The canonical spelling of a recipe (``parse_recipe``'s inverse): ``"int4+int8:qkv,gate_up"``,
+    or the plain format when nothing is kept in int8 (only int4 keeps any)."""
+    keep = tuple(keep_int8) if fmt == "int4" else ()
+    return fmt + (f"+int8:{','.join(keep)}" if keep else "")
+
+
 def int4_applies(w: torch.Tensor) -> bool:
     """A 2-D weight can be stored as int4: its row length is a whole number of groups."""
     return w.dim() == 2 and w.shape[1] % INT4_GROUP == 0
