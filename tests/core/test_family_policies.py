@@ -125,7 +125,7 @@ def test_dense_equals_checkpoint_without_trained_windows(family):
 def test_imposed_policy_takes_effect(family, policy_name):
     """An imposed policy that runs changes what runs: W lands on a layer, SCSA answers decode
     steps. On a checkpoint windowed on every layer "global" and "sparse" have no global layer
-    to act on, and SCSA has no term for learned sinks or score soft-capping: those are refused,
+    to act on, and SCSA has no term for score soft-capping: those are refused,
     never run as another policy under this one's name."""
     from longattn.sparse.policy import sparse_ops
     try:
@@ -134,7 +134,7 @@ def test_imposed_policy_takes_effect(family, policy_name):
         assert "\n" not in str(e)
         cfg = _model(family).config
         no_global = all(w is not None for w in cfg.layer_windows)
-        no_scsa_term = cfg.learned_sinks or cfg.attn_softcap is not None
+        no_scsa_term = cfg.attn_softcap is not None
         assert no_global or (policy_name == "sparse" and no_scsa_term), f"{family}/{policy_name}: {e}"
         return
     if policy_name == "sparse":
@@ -185,14 +185,14 @@ def test_lab_measurements_on_every_family(family):
 def test_trim_to_window_decodes_as_before(family, policy_name):
     """trim_to_window drops only keys no query can read: with the fused decode kernel (it
     visits the allowed slots only) decoding is bit-identical to the untrimmed growing cache.
-    Paths that read by matmul (score soft-capping, learned sinks, the kernel not built) sum
+    Paths that read by matmul (score soft-capping, the kernel not built) sum
     over a different number of masked slots, so there the check is skipped."""
     from longattn.cache import make_cache
     from longattn.engine import Session
     from longattn.ops import native
     model = _model(family)
     cfg = model.config
-    if not native.available() or cfg.attn_softcap is not None or cfg.learned_sinks:
+    if not native.available() or cfg.attn_softcap is not None:
         pytest.skip(f"{family}: decode steps read by matmul here")
     policy = _policy(cfg, policy_name)
     if all(w is None for w in policy.windows):

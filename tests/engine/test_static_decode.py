@@ -3,6 +3,8 @@ weight format: it agrees with the float64 reference as the eager paths do (withi
 plain full forward's error), across a ring wrap and with sinks; batched streams equal each
 alone; and compiling traces one graph that never recompiles while decoding."""
 
+import uuid
+
 import pytest
 import torch
 
@@ -54,7 +56,12 @@ CASES = [("llama", 5, 2, "f32", False, "matmul"), ("llama", 5, 2, "int8", False,
          ("qwen3", 3, 0, "int8", False, "fused"), ("qwen2", None, 0, "bf16", False, "fused"),
          # int4 weights (activations rounded per block of 32 at decode): eager and compiled
          ("llama", 5, 2, "int4", False, "fused"), ("gemma3", None, 0, "int4", True, "fused"),
-         ("qwen2", None, 0, "int4", False, "matmul")]
+         ("qwen2", None, 0, "int4", False, "matmul"),
+         # gpt-oss's learned sink logits on every buffer read, with its trained windows and an
+         # imposed ring with sinks, eager and compiled
+         ("gpt_oss", None, 0, "f32", False, "fused"), ("gpt_oss", 5, 2, "int8", False, "fused"),
+         ("gpt_oss", None, 0, "f32", False, "matmul"), ("gpt_oss", 5, 2, "f32", False, "flash"),
+         ("gpt_oss", None, 0, "int8", True, "fused")]
 
 
 @pytest.mark.parametrize("family,window,sinks,weights,compiled,attention", CASES)
@@ -167,3 +174,26 @@ def test_many_decoders_each_get_their_graph():
             dec = StaticDecoder(m, policy_for(m.config, 3 + n, 0), max_len=12, compile=True)
             dec.prefill([[1, 2, 3]])
             dec.step(torch.tensor([4]))
+
+
+def test_compiled_graphs_are_keyed_by_the_kernel_build(monkeypatch):
+    """Inductor's on-disk cache keys a graph by its code, not by the custom ops' ABI: a graph
+    compiled against another build of longattn's kernels must not be loaded (it would call them
+    with the old arguments). The same build hits the cache; another build's tag misses it."""
+    from torch._dynamo.utils import counters
+    m, _ = tiny("llama", "f32")
+    pol = policy_for(m.config, 4, 1)
+    ids = ids_for(1, T=8, seed=5)
+
+    def compile_once():
+        torch._dynamo.reset()
+        counters.clear()
+        dec = StaticDecoder(m, pol, max_len=16, compile=True)
+        decode_logits(dec, ids, 4)
+        return counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+
+    compile_once()
+    assert compile_once() == (1, 0)  # the same build: loaded from the cache
+    other = f"native-another-build-{uuid.uuid4().hex}"  # never compiled for before
+    monkeypatch.setattr(native, "build_tag", lambda: other)
+    assert compile_once() == (0, 1)  # another build: compiled afresh

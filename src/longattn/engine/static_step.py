@@ -35,6 +35,7 @@ import torch
 
 from ..cache.ring import ring_slot
 from ..errors import LongattnError
+from ..ops import native
 from ..ops.attention import attend_buffer_and_new, static_kernel
 from ..policy import AttentionPolicy
 from ..sparse.static_op import SparseState, StaticSparseOp
@@ -162,13 +163,15 @@ class _StaticOp:
     """Decode attention over a whole static buffer plus the step's pending key (no branching
     on values: the kernel is resolved once, by ``ops.attention.static_kernel``)."""
 
+    learned_sinks = True  # every static kernel has the sink term (ops.attention.attend_buffer_and_new)
+
     def __init__(self, window: Optional[int], sinks: int, kernel: str = "fused"):
         self.window, self.sinks, self.kernel = window, sinks, static_kernel(kernel)
 
-    def __call__(self, q, q_pos, k, v, k_pos, scale, softcap=None, layer=0, cache=None):
+    def __call__(self, q, q_pos, k, v, k_pos, scale, softcap=None, layer=0, cache=None, sink_logits=None):
         k_new, v_new = cache.pending[layer]
         return attend_buffer_and_new(q, q_pos, k, v, k_pos, k_new, v_new, self.window, self.sinks,
-                                     scale, softcap, self.kernel)
+                                     scale, softcap, self.kernel, sink_logits)
 
 
 class _StaticPolicy:
@@ -214,9 +217,6 @@ class StaticDecoder:
             raise LongattnError(f"the static decoder runs window/dense/sparse layers only, not {bad}; "
                                 "use the eager Session for these")
         cfg = model.config
-        if cfg.learned_sinks:
-            raise LongattnError("the static decoder's step has no term for learned sink logits (gpt-oss); "
-                                "decode this model with the eager Session (no --compile)")
         if "sparse" in kinds and cfg.attn_softcap is not None:
             raise LongattnError("sparse layers with score soft-capping run in the eager Session only")
         from ..sparse import SCSAConfig
@@ -228,6 +228,7 @@ class StaticDecoder:
         self.compiled = compile
         self.inductor_options = dict(DEFAULT_INDUCTOR_OPTIONS if inductor_options is None else inductor_options)
         self._compiled = self._compile() if compile else None
+        self._cache_tag = "|".join(t for t in (torch.compiler.config.cache_key_tag, native.build_tag()) if t)
         self.reset(max_len)
 
     def _compile(self):
@@ -275,7 +276,10 @@ class StaticDecoder:
             return self._step_eager(tokens, pos)
         # dynamo counts compiled variants per code object (here: per decoder, see _compile);
         # a generous limit keeps a decoder reset to many lengths from failing under fullgraph.
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        # The graph calls longattn's C++ kernels: its on-disk cache entries are keyed by their
+        # build too (native.build_tag), so a graph made for another build is never loaded.
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), \
+                torch.compiler.config.patch(cache_key_tag=self._cache_tag):
             return self._compiled(tokens, pos)
 
     def _step_eager(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

@@ -227,16 +227,32 @@ class MoEMLP(nn.Module):
         top, idx = torch.topk(self.router(h), self.top_k, dim=-1)  # [N, k]
         w = torch.softmax(top, dim=-1)
         ex = self.experts
+        if torch.compiler.is_compiling():
+            return self._gathered(h, idx, w).reshape(B, T, Hd)
         out = torch.zeros_like(h)
         for e in idx.unique().tolist():
             tok, slot = torch.where(idx == e)  # the tokens routed to expert e, and in which slot
             gu = h[tok] @ ex.gate_up_proj[e].to(h.dtype) + ex.gate_up_proj_bias[e].to(h.dtype)
-            gate = gu[..., ::2].clamp(max=self.limit)
-            up = gu[..., 1::2].clamp(min=-self.limit, max=self.limit)
-            y = ((up + 1) * gate * torch.sigmoid(gate * self.alpha)) @ ex.down_proj[e].to(h.dtype)
+            y = self._activation(gu) @ ex.down_proj[e].to(h.dtype)
             y = y + ex.down_proj_bias[e].to(h.dtype)
             out.index_add_(0, tok, y * w[tok, slot, None])
         return out.reshape(B, T, Hd)
+
+    def _activation(self, gu: torch.Tensor) -> torch.Tensor:
+        gate = gu[..., ::2].clamp(max=self.limit)
+        up = gu[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+    def _gathered(self, h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The same mixture with each token's k experts' weights gathered (``h [N, hidden]``,
+        ``idx``/``w [N, k]`` -> ``[N, hidden]``): no loop over which experts were chosen, so a
+        traced step (the compiled decode step, a few tokens) has no data-dependent control flow.
+        It reads each chosen expert once per token, as the loop does for a decode step."""
+        ex, dt = self.experts, h.dtype
+        gu = torch.einsum("nd,nkdf->nkf", h, ex.gate_up_proj[idx].to(dt)) + ex.gate_up_proj_bias[idx].to(dt)
+        y = torch.einsum("nkf,nkfd->nkd", self._activation(gu), ex.down_proj[idx].to(dt))
+        y = y + ex.down_proj_bias[idx].to(dt)
+        return (y * w.unsqueeze(-1)).sum(1)
 
 
 class Attention(nn.Module):

@@ -79,10 +79,12 @@ class MaskMemo:
         self._entries.clear()
 
 
-def fused_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap) -> bool:
-    """The C++ decode kernel serves one float32 query per stream without soft-capping."""
+def fused_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap,
+                  sink_logits: Optional[torch.Tensor] = None) -> bool:
+    """The C++ decode kernel serves one float32 query per stream without soft-capping (learned
+    sink logits, float32, included)."""
     return (q.shape[2] == 1 and softcap is None and q.dtype == k.dtype == v.dtype == torch.float32
-            and native.available())
+            and (sink_logits is None or sink_logits.dtype == torch.float32) and native.available())
 
 
 def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor,
@@ -101,27 +103,22 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             a windowed layer (None: never).
         masks: a MaskMemo shared by the layers of one forward (masks built once per setting).
         sink_logits: ``[H]`` learned per-head sink logits (gpt-oss), one more term in each
-            softmax denominator; they take the masked path, since the fused decode kernel, the
-            banded prefill and the causal kernel have no term for them.
+            softmax denominator, on every kernel.
     Returns:
         ``[B, H, Tq, D]``.
     """
-    if sink_logits is not None:
-        mask = masks.mask(q_pos, k_pos, window, sinks) if masks is not None else \
-            allowed_mask(q_pos, k_pos, window, sinks)
-        return masked_attention(q, k, v, mask, scale, softcap, sink_logits)
-    if fused and fused_applies(q, k, v, softcap):
+    if fused and fused_applies(q, k, v, softcap, sink_logits):
         none = k[:, :, :0]  # no separate own key: the cache already holds it
         return torch.ops.longattn_cpu.decode_attention(q, k, v, k_pos, q_pos, none, none,
-                                                       window or 0, sinks, float(scale))
+                                                       window or 0, sinks, float(scale), sink_logits)
     if _banded_applies(q, q_pos, k_pos, window, softcap, banded_min_tokens):
         from .banded import banded_attention
-        return banded_attention(q, k, v, window, sinks, scale)
+        return banded_attention(q, k, v, window, sinks, scale, sink_logits=sink_logits)
     if _plain_causal(q, q_pos, k_pos, window, softcap):
-        return causal_attention(q, k, v, scale)
+        return causal_attention(q, k, v, scale, sink_logits)
     mask = masks.mask(q_pos, k_pos, window, sinks) if masks is not None else \
         allowed_mask(q_pos, k_pos, window, sinks)
-    return masked_attention(q, k, v, mask, scale, softcap)
+    return masked_attention(q, k, v, mask, scale, softcap, sink_logits)
 
 
 def _plain_causal(q, q_pos, k_pos, window, softcap) -> bool:
@@ -164,7 +161,8 @@ def static_kernel(kernel: str) -> str:
 
 
 def attend_buffer_and_new(q, q_pos, k, v, k_pos, k_new, v_new, window: Optional[int], sinks: int,
-                          scale: float, softcap: Optional[float] = None, kernel: str = "fused"):
+                          scale: float, softcap: Optional[float] = None, kernel: str = "fused",
+                          sink_logits: Optional[torch.Tensor] = None):
     """One decode query per stream over a read-only buffer plus the step's own key.
 
     Args:
@@ -173,25 +171,34 @@ def attend_buffer_and_new(q, q_pos, k, v, k_pos, k_new, v_new, window: Optional[
         k_new, v_new: ``[B, Hkv, 1, D]``; window, sinks, scale, softcap: as ``attend``.
         kernel: a ``static_kernel`` result ("fused" | "matmul" | "flash"); soft-capped or
             non-float32 layers read by matmul whatever is asked.
+        sink_logits: ``[H]`` learned per-head sink logits (gpt-oss), on every kernel.
     Returns:
         ``[B, H, 1, D]``, equal to attention over the buffer with the new key written into it.
     """
-    if kernel == "fused" and softcap is None and q.dtype == k.dtype == torch.float32:
+    if kernel == "fused" and softcap is None and q.dtype == k.dtype == torch.float32 and \
+            (sink_logits is None or sink_logits.dtype == torch.float32):
         return torch.ops.longattn_cpu.decode_attention(
-            q, k, v, k_pos, q_pos, k_new.to(k.dtype), v_new.to(v.dtype), window or 0, sinks, float(scale))
+            q, k, v, k_pos, q_pos, k_new.to(k.dtype), v_new.to(v.dtype), window or 0, sinks, float(scale),
+            sink_logits)
     mask = allowed_mask(q_pos, k_pos, window, sinks)  # [B, 1, 1, S]
     if kernel == "flash" and softcap is None:
-        return attend_buffer_and_self_flash(q, k, v, mask, k_new, v_new, q_pos >= 0, scale)
-    return attend_buffer_and_self(q, k, v, mask, k_new, v_new, q_pos >= 0, scale, softcap)
+        return attend_buffer_and_self_flash(q, k, v, mask, k_new, v_new, q_pos >= 0, scale, sink_logits)
+    return attend_buffer_and_self(q, k, v, mask, k_new, v_new, q_pos >= 0, scale, softcap, sink_logits)
 
 
-def attend_buffer_and_self(q, k, v, mask, k_new, v_new, self_ok, scale, softcap=None):
+def _grouped_sinks(sink_logits: Optional[torch.Tensor], Hkv: int, dtype) -> Optional[torch.Tensor]:
+    """``[H]`` learned sink logits as ``[1, Hkv, rep, 1]`` (query head h = kv * rep + r)."""
+    return None if sink_logits is None else sink_logits.to(dtype).view(1, Hkv, -1, 1)
+
+
+def attend_buffer_and_self(q, k, v, mask, k_new, v_new, self_ok, scale, softcap=None, sink_logits=None):
     """One decode query over a read-only buffer plus its own new key, in one softmax.
 
     Args:
         q: ``[B, H, 1, D]``; k, v: ``[B, Hkv, S, D]`` buffers; mask: ``[B, 1, 1, S]`` bool.
         k_new, v_new: ``[B, Hkv, 1, D]`` the step's own key and value.
         self_ok: ``[B, 1]`` bool, False for padding queries (which then output zeros).
+        sink_logits: ``[H]`` learned sink logits (one more denominator term per head) or None.
     Returns:
         ``[B, H, 1, D]``, equal to attention over the buffer with the new key written into it.
     """
@@ -205,22 +212,28 @@ def attend_buffer_and_self(q, k, v, mask, k_new, v_new, self_ok, scale, softcap=
     s = s.masked_fill(~mask.view(B, 1, 1, S), float("-inf"))
     sn = sn.masked_fill(~self_ok.view(B, 1, 1, 1), float("-inf"))
     m = torch.maximum(s.amax(-1, keepdim=True), sn)
+    sink = _grouped_sinks(sink_logits, Hkv, s.dtype)
+    if sink is not None:
+        m = torch.maximum(m, sink)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows with nothing to read
     p, pn = torch.exp(s - m), torch.exp(sn - m)
     den = p.sum(-1, keepdim=True) + pn
+    if sink is not None:
+        den = den + torch.exp(sink - m)
     num = torch.matmul(p, v) + pn * v_new.to(p.dtype)             # [B, Hkv, rep, D]
     out = torch.where(den > 0, num / den.clamp(min=torch.finfo(den.dtype).tiny), torch.zeros_like(num))
     return out.reshape(B, H, 1, D)
 
 
-def attend_buffer_and_self_flash(q, k, v, mask, k_new, v_new, self_ok, scale):
+def attend_buffer_and_self_flash(q, k, v, mask, k_new, v_new, self_ok, scale, sink_logits=None):
     """``attend_buffer_and_self`` (no softcap) with the buffer read by ATen's CPU flash kernel.
 
     The g query heads sharing a KV head ride as the flash kernel's query-length axis
     (``[B, Hkv, g, D]``), so grouped-query attention needs no repeated keys. The kernel returns
     the buffer part's output and log-sum-exp; the step's own key is merged in closed form:
-    ``out = (e^lse o + e^s v_new) / (e^lse + e^s)``. Same shapes and result as the matmul form,
-    up to summation order; the kernel blocks the buffer and threads over heads.
+    ``out = (e^lse o + e^s v_new) / (e^lse + e^s)`` (``+ e^sink`` in the denominator with learned
+    sinks). Same shapes and result as the matmul form, up to summation order; the kernel blocks
+    the buffer and threads over heads.
     """
     B, H, _, D = q.shape
     Hkv = k.shape[1]
@@ -233,10 +246,15 @@ def attend_buffer_and_self_flash(q, k, v, mask, k_new, v_new, self_ok, scale):
     sn = ((qg * k_new.to(qg.dtype)).sum(-1, keepdim=True) * scale).float()  # [B, Hkv, g, 1]
     sn = sn.masked_fill(~self_ok.view(B, 1, 1, 1), float("-inf"))
     m = torch.maximum(lse, sn)
+    sink = _grouped_sinks(sink_logits, Hkv, torch.float32)
+    if sink is not None:
+        m = torch.maximum(m, sink)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # rows with nothing to read
     wb, wn = torch.exp(lse - m), torch.exp(sn - m)  # wb = 0 where the buffer part read nothing
     o = torch.where(wb > 0, o.float(), torch.zeros_like(o, dtype=torch.float32))
     den = wb + wn
+    if sink is not None:
+        den = den + torch.exp(sink - m)
     num = wb * o + wn * v_new.float()
     out = torch.where(den > 0, num / den.clamp(min=torch.finfo(den.dtype).tiny), torch.zeros_like(num))
     return out.to(q.dtype).reshape(B, H, 1, D)

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import LongattnError
+from .dense import causal_attention, flash_attention_lse, with_learned_sinks
 
 MIN_BLOCK = 32
 MAX_BLOCK = 256
@@ -150,7 +151,7 @@ def _band_mask(m: int, rel: int, width: int, sink_cols: int, sink_in_band: int,
 
 def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
                      sinks: int = 0, scale: float | None = None,
-                     block_size: int | None = None) -> torch.Tensor:
+                     block_size: int | None = None, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     """Sliding-window (+ sinks) causal attention doing O(Tq * W) work.
 
     Args:
@@ -164,6 +165,8 @@ def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
         sinks: S, positions ``0 .. S-1`` stay readable by every later query.
         scale: score multiplier, default ``D ** -0.5``.
         block_size: query rows per block; default ``default_block_size(W)``.
+        sink_logits: ``[H]`` learned per-head sink logits (gpt-oss): each block's output is
+            renormalised with its flash log-normaliser (``dense.with_learned_sinks``).
     Returns:
         ``[B, H, Tq, D]`` in q's dtype; equals ``reference_attention`` under
         ``allowed_mask(q_pos, k_pos, window, sinks)`` to floating-point rounding.
@@ -181,7 +184,7 @@ def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
         return q.new_empty(B, H, 0, D)
     if full and Tq == Tk:
         # Whole prompt, no effective window: the fused causal kernel already skips the upper half.
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        return causal_attention(q, k, v, scale, sink_logits)
     w = Tk if full else int(window)
     s_eff = 0 if full else sinks  # with every earlier key in the window, sinks add nothing
     offset = Tk - Tq
@@ -202,6 +205,11 @@ def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
         if b.sink_cols:
             kb = torch.cat([k[:, :, :b.sink_cols], kb], dim=2)  # [B, Hkv, S' + width, D]
             vb = torch.cat([v[:, :, :b.sink_cols], vb], dim=2)
-        out[:, :, b.q0:b.q1] = F.scaled_dot_product_attention(
-            q[:, :, b.q0:b.q1], kb, vb, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        qb = q[:, :, b.q0:b.q1]
+        if sink_logits is None:
+            out[:, :, b.q0:b.q1] = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale,
+                                                                  enable_gqa=gqa)
+        else:  # every query reads at least itself, so no row is fully masked
+            o, lse = flash_attention_lse(qb, kb, vb, mask, False, scale)
+            out[:, :, b.q0:b.q1] = with_learned_sinks(o, lse, sink_logits)
     return out

@@ -48,12 +48,26 @@ def kernel_spec() -> ExtensionSpec:
                          announce="building native kernels (first run, ~30 s)")
 
 
+def _digest() -> str:
+    """The sources' and headers' content hash: names one build of the kernels."""
+    if "digest" not in _state:
+        _state["digest"] = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:12]
+    return _state["digest"]
+
+
+def build_tag() -> str:
+    """Names the kernels in use (``native-<digest>``, or ``native-off`` where they are not):
+    compiled graphs that call them must be keyed by it. Inductor's on-disk cache keys a graph
+    by its code, not by the schema or ABI of the custom ops it calls, so without this a graph
+    compiled against an older build of the kernels would be loaded and call them wrongly."""
+    return f"native-{_digest()}" if available() else "native-off"
+
+
 def _build() -> bool:
     if _disabled() or torch.backends.cpu.get_cpu_capability() not in AVX2_CAPABILITIES:
         return False
     from ..checkpoint.paths import cache_root
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:12]
-    build = cache_root() / "kernels" / f"native-torch{torch.__version__}-{digest}"
+    build = cache_root() / "kernels" / f"native-torch{torch.__version__}-{_digest()}"
     try:
         torch.ops.load_library(str(ensure_built(kernel_spec(), build)))
     except (BuildError, OSError) as e:  # no compiler, no ninja, out of time: PyTorch paths still work
@@ -75,7 +89,7 @@ def _build() -> bool:
         return codes.new_empty(codes.shape[0], codes.shape[1] * 2, dtype=torch.float32)
 
     @torch.library.register_fake("longattn_cpu::decode_attention")
-    def _(q, k, v, k_pos, q_pos, k_new, v_new, window, sinks, scale):
+    def _(q, k, v, k_pos, q_pos, k_new, v_new, window, sinks, scale, sink_logits=None):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
     return True
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from ..errors import LongattnError
 from ..ops import native
+from ..ops.dense import flash_attention_lse, with_learned_sinks
 from . import calibrate
 from . import taus as tau_io
 from .config import SCSAConfig
@@ -74,14 +75,17 @@ class NativeArgs(NamedTuple):
     probe_keys: int            # SCSAConfig.probe_keys
     extra_k: torch.Tensor      # float32 [Hkv, X, D]: the outliers' keys
     extra_v: torch.Tensor      # float32 [Hkv, X, D]: their values
+    sink_logits: torch.Tensor | None  # float32 [H]: learned sink logits (gpt-oss), or None
 
     @classmethod
-    def of(cls, index: ClusterIndex, taus: torch.Tensor, scale: float, cfg: SCSAConfig) -> NativeArgs:
+    def of(cls, index: ClusterIndex, taus: torch.Tensor, scale: float, cfg: SCSAConfig,
+           sink_logits: torch.Tensor | None = None) -> NativeArgs:
         """The arguments for ``index`` at thresholds ``taus`` (float32 contiguous ``[Hkv]``)."""
         st = index.store
+        sinks = None if sink_logits is None else sink_logits.detach().float().contiguous()
         return cls(index.extra_slots, index.summ, index.resid, index.log_counts, index.radius, index.vmean,
                    index.counts, index.num_clusters, st.kt, st.ks, st.vi, st.vs, taus, float(scale),
-                   cfg.probe_dims, cfg.probe_keys, index.extra_k, index.extra_v)
+                   cfg.probe_dims, cfg.probe_keys, index.extra_k, index.extra_v, sinks)
 
 
 class _Hot(NamedTuple):
@@ -91,6 +95,7 @@ class _Hot(NamedTuple):
     args: NativeArgs
     scale: float
     q_shape: torch.Size
+    sinks: torch.Tensor | None  # the learned sink logits the args were made with (identity)
 
 
 class SCSALayer:
@@ -137,19 +142,26 @@ class SCSALayer:
         # takes besides the row, once a calibrated call of one row took the native kernel;
         # dropped whenever taus or indexes change
         self._hot: _Hot | None = None
+        # the learned sink logits ``[H]`` of the current call (gpt-oss; None for most models):
+        # set by ``attend``, read by every path of the call (exact, Python, native, calibration)
+        self.sink_logits: torch.Tensor | None = None
 
     # --- public --------------------------------------------------------------------------
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               sink_logits: torch.Tensor | None = None) -> torch.Tensor:
         """Decode attention of one new query per row over the whole cache.
 
         Args:
             q: ``[B, H, 1, D]``.
             k, v: ``[B, Hkv, N, D]``, the layer's whole append-only cache (all slots valid).
             scale: score multiplier beta (usually ``D ** -0.5``).
+            sink_logits: ``[H]`` learned per-head sink logits (gpt-oss) or None: one more exact
+                term in each head's normaliser (and in the stop rule's exact mass).
         Returns:
             ``[B, H, 1, D]`` in q's dtype.
         """
-        if self._hot is not None:
+        self.sink_logits = sink_logits
+        if self._hot is not None and self._hot.sinks is sink_logits:
             out = self._hot_call(self._hot, q, k, v, scale)
             if out is not None:
                 return out
@@ -186,7 +198,7 @@ class SCSALayer:
             if q.dtype == torch.float32 and not self.cfg.serial and self._native_applies(index, k0, v0):
                 # the row went native (as _row decides) at the layer's taus: the next steps may
                 # take the shortcut
-                self._hot = _Hot(index, self._native_args(index, self.taus, scale), scale, q.shape)
+                self._hot = _Hot(index, self._native_args(index, self.taus, scale), scale, q.shape, sink_logits)
         else:
             rows = [self._row(b, q[b, :, 0], k[b], v[b], scale, self.taus) for b in range(B)]
             out = torch.stack(rows).view(B, H, 1, D)
@@ -267,7 +279,7 @@ class SCSALayer:
         the index and the taus stay as they are (see ``_hot``). It exists because this runs once
         per sparse layer and step, where the general path's Python checks are a visible share of
         the call (``scsa_alternate.py --general`` compares the two)."""
-        index, args, scale0, q_shape = hot
+        index, args, scale0, q_shape, _ = hot
         D = self.head_dim
         if q.shape != q_shape or k.shape != v.shape or k.shape[:2] != (1, self.num_kv_heads) \
                 or k.shape[3] != D or k.dtype != torch.float32 or v.dtype != torch.float32 \
@@ -305,8 +317,12 @@ class SCSALayer:
             raise LongattnError("SCSALayer.attend: the cache is empty")
 
     def _dense(self, q, k, v, scale):
-        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=scale,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        """Exact attention of the call's queries over the whole cache (learned sinks included)."""
+        qf, kf, vf = q.float(), k.float(), v.float()
+        if self.sink_logits is not None:
+            o, lse = flash_attention_lse(qf, kf, vf, None, False, scale)
+            return with_learned_sinks(o, lse, self.sink_logits).to(q.dtype)
+        out = F.scaled_dot_product_attention(qf, kf, vf, scale=scale, enable_gqa=self.num_heads != self.num_kv_heads)
         return out.to(q.dtype)
 
     def _prepare(self, index: ClusterIndex, q_row, k_row, v_row, scale,
@@ -314,7 +330,7 @@ class SCSALayer:
         """``prepared.prepare`` for one row; flat selection also scores every cluster."""
         if flat_scores is None:
             flat_scores = not self.cfg.hierarchical
-        return prepare(index, q_row, k_row, v_row, scale, self.group, flat_scores)
+        return prepare(index, q_row, k_row, v_row, scale, self.group, flat_scores, self.sink_logits)
 
     def _select(self, index: ClusterIndex, prep: Prepared, scale: float, taus: torch.Tensor,
                 hierarchical: bool | None = None):
@@ -435,7 +451,7 @@ class SCSALayer:
         s0, s1 = index.exact_slots(n)
         opened_rows = None  # the native call counts them itself
         if self.cfg.serial:
-            out, sel = serial_row(self.cfg, index, q_row, k_row, v_row, scale, taus)
+            out, sel = serial_row(self.cfg, index, q_row, k_row, v_row, scale, taus, self.sink_logits)
         elif self._native_applies(index, k_row, v_row):
             out, sel, opened_rows = self._native_row(index, q_row, k_row, v_row, s0, s1, scale, taus)
         else:
@@ -463,7 +479,8 @@ class SCSALayer:
     def _native_args(self, index: ClusterIndex, taus, scale) -> NativeArgs:
         """``NativeArgs`` of ``index`` at ``taus`` (the layer's own taus are already float32 and
         contiguous)."""
-        return NativeArgs.of(index, taus if taus is self.taus else taus.float().contiguous(), scale, self.cfg)
+        return NativeArgs.of(index, taus if taus is self.taus else taus.float().contiguous(), scale, self.cfg,
+                             self.sink_logits)
 
     def _native_row(self, index: ClusterIndex, q_row, k_row, v_row, s0, s1, scale, taus):
         """One row through ``longattn_cpu::scsa_decode`` (slots ``[0, s0)``, the outliers and

@@ -22,6 +22,8 @@ from .layer import SCSALayer
 class SparseOp:
     """Exact attention for prefill, SCSA for decode (one SCSALayer per model layer)."""
 
+    learned_sinks = True  # gpt-oss's sink logits reach the dense op and SCSA's normaliser
+
     def __init__(self, lp: LayerPolicy, policy: AttentionPolicy, layer: int):
         self.lp = lp
         self.cfg = policy.sparse_config or SCSAConfig()
@@ -31,10 +33,10 @@ class SparseOp:
         # (bit-identical); SCSA only ever sees long decode steps.
         self.dense = WindowOp(LayerPolicy("window", None, 0), None, policy.masks, policy.fused_decode)
 
-    def __call__(self, q, q_pos, k, v, k_pos, scale, softcap=None, layer=0, cache=None):
+    def __call__(self, q, q_pos, k, v, k_pos, scale, softcap=None, layer=0, cache=None, sink_logits=None):
         B, H, Tq, D = q.shape
         if Tq > 1 or softcap is not None or cache is None or k.shape[2] < self.cfg.min_context:
-            out = self.dense(q, q_pos, k, v, k_pos, scale, softcap, layer, cache)
+            out = self.dense(q, q_pos, k, v, k_pos, scale, softcap, layer, cache, sink_logits)
             if Tq > 1 and cache is not None and softcap is None and self.cfg.index_in_prefill \
                     and k.shape[2] >= self.cfg.min_context and not bool((k_pos < 0).any()):
                 self._grow_index(H, k, v)
@@ -46,8 +48,8 @@ class SparseOp:
             raise LongattnError("the sparse policy needs unpadded streams (one stream, or equal lengths)")
         if self.scsa.runs_exact:  # no tau meets the tolerance here: the dense layer's own op
             self.scsa.count_exact_call(B, k.shape[2])
-            return self.dense(q, q_pos, k, v, k_pos, scale, softcap, layer, cache)
-        return self.scsa.attend(q, k, v, scale)
+            return self.dense(q, q_pos, k, v, k_pos, scale, softcap, layer, cache, sink_logits)
+        return self.scsa.attend(q, k, v, scale, sink_logits)
 
 
     def _grow_index(self, num_heads: int, k, v) -> None:

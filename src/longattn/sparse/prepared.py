@@ -23,8 +23,9 @@ class Prepared:
 
     Fields:
         qg: float32 ``[Hkv, g, D]``, the query grouped by the KV head its heads read.
-        s_ex: float32 ``[Hkv, g, E]``, scaled scores with the exact rows.
-        v_ex: float32 ``[Hkv, E, D]``, the exact rows' values.
+        s_ex: float32 ``[Hkv, g, E]``, scaled scores with the exact rows (with learned sinks,
+            the last column is each query head's sink logit).
+        v_ex: float32 ``[Hkv, E, D]``, the exact rows' values (a zero row for the sinks).
         log_exact: float32 ``[Hkv, g]``, log of the exact rows' mass (-inf when there are none).
         n: the cache's length ``N``.
         tail: float32 ``[Hkv, g, M]``, every cluster's tail logit ``a + log m`` (flat
@@ -48,7 +49,8 @@ class Prepared:
 
 
 def prepare(index: ClusterIndex, q_row: torch.Tensor, k_row: torch.Tensor, v_row: torch.Tensor,
-            scale: float, group: int, flat_scores: bool) -> Prepared:
+            scale: float, group: int, flat_scores: bool,
+            sink_logits: torch.Tensor | None = None) -> Prepared:
     """One row's shared quantities.
 
     Args:
@@ -56,6 +58,9 @@ def prepare(index: ClusterIndex, q_row: torch.Tensor, k_row: torch.Tensor, v_row
         q_row: ``[H, D]``; k_row, v_row: ``[Hkv, N, D]``; scale: beta.
         group: query heads per KV head (``H // Hkv``).
         flat_scores: also score every cluster (``tail``, ``est``), as flat selection needs.
+        sink_logits: ``[H]`` learned sink logits (gpt-oss) or None: one more exact term per
+            query head whose value row is zero, so they join the output's normaliser and the
+            stop rule's exact mass.
     """
     hkv, n, D = k_row.shape
     qg = q_row.float().reshape(hkv, group, D)  # [Hkv, g, D]
@@ -65,6 +70,9 @@ def prepare(index: ClusterIndex, q_row: torch.Tensor, k_row: torch.Tensor, v_row
     k_ex = torch.cat([k_row[:, :s0], k_row.gather(1, at), k_row[:, s1:]], 1).float()  # [Hkv, E, D]
     v_ex = torch.cat([v_row[:, :s0], v_row.gather(1, at), v_row[:, s1:]], 1).float()
     s_ex = torch.bmm(qg, k_ex.transpose(1, 2)) * scale  # [Hkv, g, E]
+    if sink_logits is not None:
+        s_ex = torch.cat([s_ex, sink_logits.float().view(hkv, group, 1)], -1)
+        v_ex = torch.cat([v_ex, v_ex.new_zeros(hkv, 1, D)], 1)
     log_exact = torch.logsumexp(s_ex, -1) if s_ex.shape[-1] else s_ex.new_full(s_ex.shape[:2], NEG_INF)
     prep = Prepared(qg=qg, s_ex=s_ex, v_ex=v_ex, log_exact=log_exact, n=n)
     if index.num_clusters and flat_scores:

@@ -68,8 +68,9 @@ def probe_clusters(cfg, index, h: int, qs: torch.Tensor) -> set:
 
 
 def serial_row(cfg, index, q_row: torch.Tensor, k_row: torch.Tensor, v_row: torch.Tensor, beta: float,
-               taus: torch.Tensor):
-    """Sparse output of one batch row: ``q_row [H, D]``, ``k_row/v_row [Hkv, N, D]``.
+               taus: torch.Tensor, sink_logits: torch.Tensor | None = None):
+    """Sparse output of one batch row: ``q_row [H, D]``, ``k_row/v_row [Hkv, N, D]``; learned
+    ``sink_logits [H]`` (or None) join the exact terms with zero value rows.
 
     Returns ``(out [Hkv, g, D] float64, Selection)``.
     """
@@ -98,6 +99,10 @@ def serial_row(cfg, index, q_row: torch.Tensor, k_row: torch.Tensor, v_row: torc
         kx = k_row[h, exact_slots].double()
         vx = v_row[h, exact_slots].double()
         exact_logits = [[beta * float(q64[j] @ kx[i]) for i in range(len(exact_slots))] for j in range(g)]
+        if sink_logits is not None:  # one more exact term per query head, its value row zero
+            for j in range(g):
+                exact_logits[j].append(float(sink_logits[h * g + j]))
+            vx = torch.cat([vx, vx.new_zeros(1, D)])
         log_exact = [_logsumexp(row) for row in exact_logits]
         tau = float(taus[h])
         if M == 0:
@@ -159,7 +164,7 @@ def serial_row(cfg, index, q_row: torch.Tensor, k_row: torch.Tensor, v_row: torc
             opened_all[h, c] = True
         tails.append(tail_nodes)
         for j in range(g):
-            logits, rows = list(exact_logits[j]), [vx[i] for i in range(len(exact_slots))]
+            logits, rows = list(exact_logits[j]), [vx[i] for i in range(vx.shape[0])]
             for c in sorted(chosen):
                 logits.extend(member_logits(h, c, q64[j], q_store[j]))
                 vc = index.store.cluster_rows(h, c)[1]

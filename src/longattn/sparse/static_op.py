@@ -76,29 +76,32 @@ class SparseState:
 # never aliases an input (attend returns a new tensor).
 _LIB = torch.library.Library("longattn", "FRAGMENT")
 _LIB.define("scsa_step(Tensor q, Tensor k, Tensor v, Tensor q_pos, Tensor k_new, Tensor v_new, int key, "
-            "int layer, float scale) -> Tensor")
+            "int layer, float scale, Tensor? sink_logits=None) -> Tensor")
 
 
 def scsa_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_new: torch.Tensor,
-              v_new: torch.Tensor, key: int, layer: int, scale: float) -> torch.Tensor:
+              v_new: torch.Tensor, key: int, layer: int, scale: float,
+              sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     """SCSA decode attention of one layer over static buffers.
 
     Args:
         q: ``[B, H, 1, D]``; k, v: ``[B, Hkv, S, D]`` buffers (slot = position);
         q_pos: ``[B, 1]`` int64 (-1 = inactive); k_new, v_new: ``[B, Hkv, 1, D]`` this step's.
         key: the decoder's SparseState key. layer: model layer index. scale: score scale.
+        sink_logits: ``[H]`` learned per-head sink logits (gpt-oss) or None.
     Returns:
         ``[B, H, 1, D]`` (zeros for inactive streams).
     """
     state = _STATES[key]
     if q.shape[0] == 1:  # one stream, the decode loop's case: its own tensors, no per-stream views
-        return _stream(state, 0, q, k, v, int(q_pos), k_new, v_new, layer, scale)
+        return _stream(state, 0, q, k, v, int(q_pos), k_new, v_new, layer, scale, sink_logits)
     return torch.cat([_stream(state, b, q.narrow(0, b, 1), k.narrow(0, b, 1), v.narrow(0, b, 1), n,
-                              k_new.narrow(0, b, 1), v_new.narrow(0, b, 1), layer, scale)
+                              k_new.narrow(0, b, 1), v_new.narrow(0, b, 1), layer, scale, sink_logits)
                       for b, n in enumerate(q_pos[:, 0].tolist())])
 
 
-def _stream(state: SparseState, b: int, q, k, v, n: int, k_new, v_new, layer: int, scale: float) -> torch.Tensor:
+def _stream(state: SparseState, b: int, q, k, v, n: int, k_new, v_new, layer: int, scale: float,
+            sink_logits=None) -> torch.Tensor:
     """``scsa_step`` for stream ``b`` at position ``n``: q ``[1, H, 1, D]``, k, v ``[1, Hkv, S, D]``,
     k_new, v_new ``[1, Hkv, 1, D]``. Views are taken per stream only where there are several,
     because the Python around the kernel runs once per sparse layer and step."""
@@ -113,26 +116,29 @@ def _stream(state: SparseState, b: int, q, k, v, n: int, k_new, v_new, layer: in
         if sc is not None:
             sc.count_exact_call(1, n + 1)
         pos = state.positions(n + 1)
-        return state.dense(q, pos[:, n:], kb, vb, pos, scale)
-    return sc.attend(q, kb, vb, scale)
+        return state.dense(q, pos[:, n:], kb, vb, pos, scale, sink_logits=sink_logits)
+    return sc.attend(q, kb, vb, scale, sink_logits)
 
 
 _LIB.impl("scsa_step", scsa_step, "CPU")
 
 
 @torch.library.register_fake("longattn::scsa_step")
-def _(q, k, v, q_pos, k_new, v_new, key, layer, scale):
+def _(q, k, v, q_pos, k_new, v_new, key, layer, scale, sink_logits=None):
     return torch.empty_like(q)
 
 
 class StaticSparseOp:
     """The static policy's op for a sparse layer (see static_decode._StaticPolicy)."""
 
+    learned_sinks = True  # passed through to the dense op and SCSALayer.attend
+
     def __init__(self, state: SparseState, layer: int):
         self.state, self.layer = state, layer
 
-    def __call__(self, q, q_pos, k, v, k_pos, scale, softcap=None, layer=0, cache=None):
+    def __call__(self, q, q_pos, k, v, k_pos, scale, softcap=None, layer=0, cache=None, sink_logits=None):
         if softcap is not None:
             raise NotImplementedError("SCSA with score softcapping")  # rejected at construction
         k_new, v_new = cache.pending[layer]
-        return torch.ops.longattn.scsa_step(q, k, v, q_pos, k_new, v_new, self.state.key, self.layer, float(scale))
+        return torch.ops.longattn.scsa_step(q, k, v, q_pos, k_new, v_new, self.state.key, self.layer, float(scale),
+                                            sink_logits)

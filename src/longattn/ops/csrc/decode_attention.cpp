@@ -11,7 +11,9 @@
 //                [B, Hkv, 0, D]      none: the buffer already holds it (the eager cache)
 //   window, sinks                    slot j is read when 0 <= pos_j <= pos_q and
 //                                    (window <= 0 or pos_q - pos_j < window or pos_j < sinks)
-//   -> [B, H, 1, D] = softmax over (allowed slots + own key) of q.k * scale, times V.
+//   sink_logits  [H] or none float32 learned per-head sink logits (gpt-oss): one more term
+//                                    e^sink in each head's denominator, with a zero value row
+//   -> [B, H, 1, D] = softmax over (allowed slots + own key [+ sink]) of q.k * scale, times V.
 //
 // Why it exists: the compiled step's matmul form reads each buffer through two batched
 // matmuls with a separate mask/softmax kernel between them, and with G query heads per KV head
@@ -39,6 +41,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -142,7 +145,8 @@ struct HeadPasses {
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& k_pos, const at::Tensor& q_pos, const at::Tensor& k_new,
-                            const at::Tensor& v_new, int64_t window, int64_t sinks, double scale) {
+                            const at::Tensor& v_new, int64_t window, int64_t sinks, double scale,
+                            const std::optional<at::Tensor>& sink_logits) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k_new.dim() == 4 && v_new.dim() == 4,
               "decode_attention: q [B, H, 1, D], k/v [B, Hkv, S, D], k_new/v_new [B, Hkv, 1, D]");
   for (const auto* t : {&q, &k, &v, &k_new, &v_new})
@@ -158,6 +162,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const bool has_new = k_new.size(2) == 1;
   TORCH_CHECK(k_pos.dim() == 2 && k_pos.size(0) == B && k_pos.size(1) == S, "decode_attention: k_pos [B, S]");
   TORCH_CHECK(q_pos.numel() == B, "decode_attention: q_pos [B, 1]");
+  const bool has_sink = sink_logits.has_value();
+  at::Tensor sink_c;
+  if (has_sink) {
+    TORCH_CHECK(sink_logits->scalar_type() == at::kFloat && sink_logits->numel() == H,
+                "decode_attention: sink_logits is float32 [H]");
+    sink_c = sink_logits->contiguous();
+  }
   const int64_t G = H / Hkv;
   // rows must be contiguous; whole-tensor contiguity is not needed (no copy of a cache view)
   const auto rows_ok = [D](const at::Tensor& t) { return t.stride(3) == 1 && t.stride(2) == D; };
@@ -270,9 +281,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const float* knp = knc.data_ptr<float>();
   const float* vnp = vnc.data_ptr<float>();
   // per query head: the slot chunks' parts plus the own key as a part of one row (m = its
-  // score, l = 1, acc = its value), merged exactly (longattn::merge_parts)
-  std::vector<float> own(D + 2);
-  std::vector<const float*> parts(chunks + 1);
+  // score, l = 1, acc = its value) and a learned sink as a part of a zero row (m = its logit,
+  // l = 1, acc = 0), merged exactly (longattn::merge_parts)
+  std::vector<float> own(D + 2), sink_part(D + 2, 0.0f);
+  sink_part[1] = 1.0f;
+  std::vector<const float*> parts(chunks + (has_sink ? 2 : 1));
+  const float* sinkp = has_sink ? sink_c.data_ptr<float>() : nullptr;
   for (int64_t bh = 0; bh < heads; ++bh) {
     const int64_t b = bh / Hkv, h = bh % Hkv;
     const float* kn = knp + bh * D;
@@ -284,6 +298,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       if (own[0] != kNegInf) std::copy(vn, vn + D, own.begin() + 2);
       for (int64_t c = 0; c < chunks; ++c) parts[c] = part.data() + ((bh * chunks + c) * G + g) * (D + 2);
       parts[chunks] = own.data();
+      if (has_sink) {
+        sink_part[0] = sinkp[h * G + g];
+        parts[chunks + 1] = sink_part.data();
+      }
       merge_parts(parts, D, yp + (b * H + h * G + g) * D);  // nothing to read: zeros, as the reference
     }
   }
@@ -294,7 +312,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 TORCH_LIBRARY_FRAGMENT(longattn_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor k_pos, Tensor q_pos, Tensor k_new, "
-        "Tensor v_new, int window, int sinks, float scale) -> Tensor");
+        "Tensor v_new, int window, int sinks, float scale, Tensor? sink_logits=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(longattn_cpu, CPU, m) {

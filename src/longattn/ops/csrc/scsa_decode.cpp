@@ -31,6 +31,9 @@
 //                                         query head, every member row scored q.c + q8dot(q_S, k - c)
 //                                         over its probe_dims largest |q_i|; the clusters of its
 //                                         probe_keys best rows open as well
+//   sink_logits [H]              float32  optional learned per-head sink logits (gpt-oss): one more
+//                                         exact term e^sink with a zero value row, in the exact part
+//                                         and so in the stop rule's exact mass
 //   -> (out [H, D] float32, opened [Hkv, M] bool, opened member rows over all heads: int64 scalar)
 //
 // Per KV head (phase A, heads in parallel): every cluster's tail logit a + log m and capped
@@ -605,7 +608,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
     const at::Tensor& radius, const at::Tensor& vmean, const at::Tensor& counts, int64_t M, const at::Tensor& kt,
     const at::Tensor& ks, const at::Tensor& vi, const at::Tensor& vs, const at::Tensor& taus, double scale,
     int64_t probe_dims, int64_t probe_keys, const std::optional<at::Tensor>& extra_k,
-    const std::optional<at::Tensor>& extra_v) {
+    const std::optional<at::Tensor>& extra_v, const std::optional<at::Tensor>& sink_logits) {
   const bool four = q_in.dim() == 4;
   TORCH_CHECK(!four || (q_in.size(0) == 1 && q_in.size(2) == 1 && k_in.dim() == 4 && v_in.dim() == 4 &&
                         k_in.size(0) == 1 && v_in.size(0) == 1),
@@ -661,6 +664,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
   TORCH_CHECK(counts.scalar_type() == at::kLong && counts.is_contiguous() && kt.is_contiguous() && vi.is_contiguous(),
               "scsa_decode: counts int64, kt/vi contiguous");
   const auto qc = q.contiguous();
+  at::Tensor sink_c;
+  if (sink_logits.has_value()) {
+    TORCH_CHECK(sink_logits->scalar_type() == at::kFloat && sink_logits->numel() == H,
+                "scsa_decode: sink_logits float32 [H]");
+    sink_c = sink_logits->contiguous();
+  }
+  const float* sinkp = sink_logits.has_value() ? sink_c.data_ptr<float>() : nullptr;
 
   const int64_t G = H / Hkv, E = s0 + X + (N - s1), PW = D + 2;
   const float beta = static_cast<float>(scale);
@@ -760,12 +770,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
         for (int64_t e = 0; e < E; ++e) sg[e] *= beta;
         Part ex{head_parts.data() + ((h * G + g) * 2) * PW};
         ex.clear(D);
+        const float sink = sinkp != nullptr ? sinkp[h * G + g] : kNegInf;  // a zero value row
         if (E == 0) {
-          lex[g] = kNegInf;
+          lex[g] = sink;
+          if (sinkp != nullptr) {
+            ex.p[0] = sink;
+            ex.p[1] = 1.0f;
+          }
           continue;
         }
-        const float m = max_of(sg, E);
-        const float l = exp_shift_sum(sg, E, m);
+        const float m = std::max(max_of(sg, E), sink);
+        float l = exp_shift_sum(sg, E, m);
+        if (sinkp != nullptr) l += std::exp(sink - m);
         lex[g] = m + std::log(l);
         ex.p[0] = m;
         ex.p[1] = l;
@@ -949,7 +965,7 @@ TORCH_LIBRARY_FRAGMENT(longattn_cpu, m) {
   m.def("scsa_decode(Tensor q, Tensor k, Tensor v, int s0, int s1, Tensor extra, Tensor summ, "
         "Tensor resid, Tensor log_counts, Tensor radius, Tensor vmean, Tensor counts, int M, Tensor kt, Tensor ks, "
         "Tensor vi, Tensor vs, Tensor taus, float scale, int probe_dims=0, int probe_keys=1, "
-        "Tensor? extra_k=None, Tensor? extra_v=None) -> "
+        "Tensor? extra_k=None, Tensor? extra_v=None, Tensor? sink_logits=None) -> "
         "(Tensor, Tensor, Tensor)");
 }
 
