@@ -141,7 +141,8 @@ def test_generate_sparse_keeps_its_taus_for_the_next_run(tmp_path, monkeypatch, 
     assert first["taus"] == "calibrated in this run" and first["calibration_s"] > 0
     assert first["index_in_prefill_s"] == 0  # ~900 tokens fill no 4,096-row block: sealed at decode
     assert first["index_in_decode_s"] > 0
-    assert len(list((tmp_path / "taus").iterdir())) == 1
+    assert len(list((tmp_path / "taus").glob("*.cost.json"))) == 1  # the taus and their costs
+    assert len(list((tmp_path / "taus").iterdir())) == 2
     second = run()
     assert second["taus"] == "reused from the cache" and second["calibration_s"] == 0
     third = run("--sparse-calibrate")

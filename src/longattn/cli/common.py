@@ -43,11 +43,16 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str = "smollm2-135
                    type=lambda v: {"float32": "f32", "bfloat16": "bf16"}.get(v, v))
 
 
-def add_policy_args(p: argparse.ArgumentParser) -> None:
+def add_policy_args(p: argparse.ArgumentParser, auto: bool = False) -> None:
+    """The policy options; ``auto``: offer ``--policy auto`` (a command that knows how many
+    tokens it will generate, so it can weigh SCSA's costs against its saving)."""
     p.add_argument("--policy", default="checkpoint",
-                   choices=["checkpoint", "dense", "window", "global", "sparse"],
+                   choices=["checkpoint", "dense", "window", "global", "sparse"] + (["auto"] if auto else []),
                    help="checkpoint: trained windows; dense: none; window: --window on every layer; "
-                        "global: --window on the checkpoint's global layers; sparse: SCSA decode")
+                        "global: --window on the checkpoint's global layers; sparse: SCSA decode"
+                        + ("; auto: SCSA on the layers where the cost model predicts it pays for this "
+                           "prompt and --max-new-tokens (taus calibrated by an earlier sparse run), "
+                           "the checkpoint's attention elsewhere" if auto else ""))
     p.add_argument("--window", type=int, default=None, help="window W (keys per query incl. itself)")
     p.add_argument("--sinks", type=int, default=0, help="sink tokens always readable")
     # SUPPRESS: an option not given leaves SCSAConfig's default (named in the help) in force
@@ -108,7 +113,7 @@ def check_policy_args(args) -> None:
     if window is not None and args.policy == "dense":
         raise LongattnError("--window has no effect under --policy dense; drop one of them")
     sparse = sorted(k for k in vars(args) if k.startswith("sparse_"))
-    if sparse and args.policy != "sparse":
+    if sparse and args.policy not in ("sparse", "auto"):
         flags = ", ".join("--" + k.replace("_", "-").replace("-probe-dims", "-probe")
                           .replace("-dense-when-cheaper", "-always") for k in sparse)
         verb = "only applies" if len(sparse) == 1 else "only apply"
@@ -129,7 +134,7 @@ def policy_from_args(cfg, args):
     mode = args.policy
     if args.window is not None and mode == "checkpoint":
         mode = "window"  # --window alone imposes it on every layer
-    if mode == "sparse":
+    if mode in ("sparse", "auto"):  # auto: the sparse policy, which the command then restricts
         from ..sparse.policy import sparse_policy  # noqa: WPS433 (wired in the SCSA module)
         return sparse_policy(cfg, args)
     return AttentionPolicy.build(cfg, mode=mode, window=args.window, sinks=args.sinks)

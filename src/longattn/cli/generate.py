@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk size (tokens)")
     p.add_argument("--compile", action="store_true",
                    help="decode with the fixed-shape step compiled by torch.compile (first step compiles)")
-    add_policy_args(p)
+    add_policy_args(p, auto=True)
     p.add_argument("--sparse-calibrate", action="store_true", default=argparse.SUPPRESS,
                    help="sparse: calibrate the taus in this run's first decode steps (run exactly) "
                         "instead of reusing the taus an earlier run on this model kept in the cache")
@@ -82,6 +82,9 @@ def run(args) -> int:
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
     check_chunk(args.chunk)
     check_policy_args(args)
+    if args.policy == "auto" and getattr(args, "sparse_calibrate", False):
+        raise LongattnError("--policy auto never calibrates (it engages SCSA only with taus kept by an "
+                            "earlier run); calibrate with --policy sparse --sparse-calibrate")
     if args.prompt_file:
         text = read_text_file(args.prompt_file, "prompt file")
     else:
@@ -98,6 +101,11 @@ def run(args) -> int:
     check_context(ck.config, policy, len(ids) + args.max_new_tokens, args,
                   f"the prompt ({len(ids)} tokens) plus --max-new-tokens {args.max_new_tokens}")
     model = model_for(ck, args)
+    taus = SparseTaus(ck, model, policy, getattr(args, "sparse_calibrate", False))
+    auto = None
+    if args.policy == "auto":
+        policy, auto = taus.resolve_auto(ck.config, len(ids), args.max_new_tokens)
+        print(f"-- policy auto: {auto.reason}", file=sys.stderr, flush=True)
     load_s = time.perf_counter() - t_load
     if args.compile:
         from ..engine.static_step import StaticDecoder
@@ -106,7 +114,6 @@ def run(args) -> int:
         print(f"-- compiled in {session.warmup():.1f} s", file=sys.stderr)
     else:
         session = Session(model, policy)
-    taus = SparseTaus(ck, model, policy, getattr(args, "sparse_calibrate", False))
     streamer = TextStreamer(ck.tokenizer)
     if not args.json:
         sys.stdout.write(text if not args.chat else "")
@@ -132,6 +139,7 @@ def run(args) -> int:
                "prefill_s": round(res.prefill_seconds, 3), "decode_s": round(res.decode_seconds, 3),
                "first_token_after_start_s": round(token_times[0], 2) if token_times else None,
                "peak_rss_bytes": peak_rss_bytes(), **taus.report(),
+               **({"auto": auto.report()} if auto is not None else {}),
                **({"token_ids": res.tokens[0], "token_times_s": [round(t, 3) for t in token_times]}
                   if args.token_trace else {}),
                "text": ck.tokenizer.decode(res.tokens[0], skip_special_tokens=True)}
@@ -147,7 +155,8 @@ class SparseTaus:
     """A sparse run's taus: reused from the cache when an earlier run on this model kept them
     (decode is sparse from its first step), else calibrated in the first decode steps and kept
     for later runs once every sparse layer has chosen. ``report()`` and ``summary()`` say which,
-    and where the sparse layers' time went. A no-op for other policies."""
+    and where the sparse layers' time went. A no-op for other policies. ``resolve_auto`` turns
+    the sparse policy of ``--policy auto`` into the run's policy."""
 
     def __init__(self, ck, model, policy, calibrate: bool):
         from ..sparse.policy import sparse_ops
@@ -160,6 +169,26 @@ class SparseTaus:
             self.path = tau_cache_path(ck.weights_key, model.weights, policy)
             if not calibrate and load_cached_taus(self.path, policy, ck.config):
                 self.source = "reused from the cache"
+
+    def resolve_auto(self, cfg, prompt_tokens: int, new_tokens: int):
+        """(the run's policy, the AutoChoice): SCSA kept on the layers ``sparse.auto.choose``
+        picks for this prompt and ``new_tokens``, the checkpoint's attention elsewhere. Only
+        taus reused from the cache can be chosen, so an auto run never calibrates."""
+        from ..sparse import auto
+        from ..sparse.policy import policy_taus, preset_taus
+        from ..sparse.tau_cache import cached_costs
+        reused = self.source == "reused from the cache"
+        choice = auto.choose(cfg, auto.candidate_layers(self.policy), prompt_tokens, new_tokens,
+                             self.policy.sparse_config.min_context, policy_taus(self.policy) if reused else None,
+                             cached_costs(self.path) if reused else None)
+        chosen = auto.restrict(self.policy, choice.sparse_layers)
+        if choice.sparse_layers:
+            taus = policy_taus(self.policy)
+            preset_taus(chosen, cfg, {layer: taus[layer] for layer in choice.sparse_layers})
+            self.policy = chosen
+        else:
+            self.policy, self.source = chosen, None
+        return chosen, choice
 
     def finish(self) -> None:
         """After the run: keep newly calibrated taus for the next run."""
