@@ -16,6 +16,7 @@ import torch
 
 from conftest import tiny_model
 from longattn.cache import make_cache
+from longattn.ops import native
 from longattn.cache.paged import BlockPool, PagedKVCache, PagedStream, PoolExhausted, blocks_bound
 from longattn.policy import AttentionPolicy
 from longattn.engine.session import Session
@@ -128,3 +129,34 @@ def test_pool_exhaustion_is_an_error_not_a_crash():
     pool.alloc(), pool.alloc()
     with pytest.raises(PoolExhausted):
         pool.alloc()
+
+
+@pytest.mark.skipif(not native.available(), reason="needs the AVX2 kernels (x86)")
+def test_decode_reads_the_pool_in_place_bit_for_bit():
+    """A decode step's view is the pool and block tables (PagedRows), read in place by the
+    fused kernel: equal, bit for bit, to the same kernel over the gathered copy, with windows
+    that freed blocks (gaps in the tables), sink blocks kept, and streams of other lengths."""
+    from longattn.ops.attention import PagedRows, attend
+    m = tiny_model("llama")
+    cfg = m.config
+    pol = AttentionPolicy.build(cfg, "window", window=9, sinks=2)
+    pool = BlockPool(300, 4, cfg.num_kv_heads, cfg.head_dim)
+    streams = [PagedStream.for_policy(pol) for _ in range(3)]
+    g = torch.Generator().manual_seed(5)
+    for st, n in zip(streams, (30, 17, 41)):  # prefill each alone, then decode them together
+        Session(m, pol, PagedKVCache(cfg, pool, [st])).prefill([torch.randint(0, 96, (n,), generator=g).tolist()],
+                                                             chunk=5)
+    cache = PagedKVCache(cfg, pool, streams)
+    H, D = cfg.num_heads, cfg.head_dim
+    for step in range(6):
+        pos = cache.next_pos.view(-1, 1).clone()
+        k_new = torch.randn(3, cfg.num_kv_heads, 1, D, generator=g)
+        q = torch.randn(3, H, 1, D, generator=g)
+        for layer in cache.layers:
+            k, v, k_pos = layer.update(k_new, k_new, pos)
+            assert isinstance(k, PagedRows) and isinstance(v, PagedRows)
+            in_place = attend(q, pos, k, v, k_pos, 9, 2, D ** -0.5)
+            gathered = attend(q, pos, k.gather(), v.gather(), k_pos, 9, 2, D ** -0.5)
+            assert torch.equal(in_place, gathered)
+        cache.advance(pos)
+    assert any(sorted(st.tables[0]) != list(range(len(st.tables[0]))) for st in streams)  # gaps were read

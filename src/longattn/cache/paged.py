@@ -1,7 +1,7 @@
 """Paged KV cache: fixed-size blocks from one pool, one block table per layer per stream.
 
 Storage is a single ``BlockPool`` of ``num_blocks`` blocks of ``block_size`` token slots
-(``[num_blocks * block_size, Hkv, D]`` for K and for V), shared by every layer of every
+(``[Hkv, num_blocks * block_size, D]`` for K and for V), shared by every layer of every
 stream. A stream (``PagedStream``) owns, per layer, a table from logical block ``j``
 (positions ``j*bs .. j*bs+bs-1``) to a physical block of the pool.
 
@@ -15,7 +15,11 @@ runs. Global layers keep every block.
 ``(k_all [B, Hkv, N, D], v_all, k_pos [B, N])``: the held blocks of each stream in position
 order (a gather from the pool), slots past a stream's end or padding a shorter row at -1.
 While nothing has been freed the view is laid out exactly like a growing cache's (slot i =
-position i), so attention over it is the growing cache's arithmetic.
+position i), so attention over it is the growing cache's arithmetic. A decode step's view is
+read in place: the fused decode kernel takes the pool and each stream's block table
+(``ops.attention.PagedRows``) and reads the very rows a gathered view would hold, in the same
+order, so its output is the same bits; a gather costs about twice the attention that reads it.
+Prefill chunks, and decode where the kernels are not built, read a gathered copy.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from typing import Optional
 import torch
 
 from ..errors import LongattnError, check_int
+from ..ops import native
+from ..ops.attention import PagedRows
 from .base import KVCache, LayerCache
 
 
@@ -37,7 +43,7 @@ class BlockPool:
     """``num_blocks`` blocks of ``block_size`` slots of ``[Hkv, D]`` keys and values.
 
     Blocks are handed out and taken back by id; a block's slots are
-    ``id * block_size .. id * block_size + block_size - 1`` of ``k`` / ``v``.
+    ``id * block_size .. id * block_size + block_size - 1`` of ``k`` / ``v`` (dimension 1).
     """
 
     def __init__(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
@@ -45,7 +51,7 @@ class BlockPool:
         check_int("KV pool blocks", num_blocks, minimum=1)
         check_int("KV block size", block_size, minimum=1)
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.k = torch.zeros(num_blocks * block_size, kv_heads, head_dim, dtype=dtype)  # [N*bs, Hkv, D]
+        self.k = torch.zeros(kv_heads, num_blocks * block_size, head_dim, dtype=dtype)  # [Hkv, N*bs, D]
         self.v = torch.zeros_like(self.k)
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the lowest id is handed out first
         self.dtype = dtype
@@ -61,7 +67,7 @@ class BlockPool:
     @property
     def block_bytes(self) -> int:
         """Bytes of K and V one block holds."""
-        return 2 * self.block_size * self.k.shape[1] * self.k.shape[2] * self.k.element_size()
+        return 2 * self.block_size * self.k.shape[0] * self.k.shape[2] * self.k.element_size()
 
     def alloc(self) -> int:
         if not self._free:
@@ -168,38 +174,37 @@ class PagedLayerCache(LayerCache):
                 q = p[sel]
                 slots[sel] = phys[q // bs - lo // bs] * bs + q % bs
             ends.append(max(st.next_pos, int(p[sel[-1]]) + 1 if sel.numel() else 0))
-        pool.k[slots] = k.permute(0, 2, 1, 3)[b_idx, t_idx].to(pool.dtype)  # [M, Hkv, D]
-        pool.v[slots] = v.permute(0, 2, 1, 3)[b_idx, t_idx].to(pool.dtype)
-        k_all, v_all, k_pos = self._view(ends)
+        pool.k[:, slots] = k.permute(1, 0, 2, 3)[:, b_idx, t_idx].to(pool.dtype)  # [Hkv, M, D]
+        pool.v[:, slots] = v.permute(1, 0, 2, 3)[:, b_idx, t_idx].to(pool.dtype)
+        k_all, v_all, k_pos = self._view(ends, contiguous=k.shape[2] > 1)
         for st, end in zip(self.streams, ends):
             self._free_out_of_window(st, end)
         return k_all, v_all, k_pos
 
-    def _view(self, ends: list):
-        """Gather each stream's held blocks, in position order, padded to the longest row."""
+    def _view(self, ends: list, contiguous: bool = True):
+        """Each stream's held blocks in position order, padded to the longest row:
+        ``(k, v, k_pos [B, N])``. With ``contiguous=False`` (a decode step) and the native
+        kernels built, k and v are ``PagedRows``, read in place by the fused decode kernel;
+        else ``[B, Hkv, N, D]`` tensors gathered block by block (``PagedRows.gather``)."""
         bs = self.pool.block_size
         rows = [list(st.tables[self.layer].items()) for st in self.streams]
         # a row ends at its stream's end, not its last block's: the slots past it hold
         # nothing, and a view of exactly the stored positions keeps the growing cache's shapes
         lens = [len(r) * bs - ((r[-1][0] + 1) * bs - end) if r else 0 for r, end in zip(rows, ends)]
-        n = max(lens)
-        slot = torch.zeros(len(rows), n, dtype=torch.int64)
-        kpos = torch.full((len(rows), n), -1, dtype=torch.int64)
+        n, blocks = max(lens), max(len(r) for r in rows)
+        phys = torch.zeros(len(rows), blocks, dtype=torch.int64)  # padding names block 0, never read
+        kpos = torch.full((len(rows), blocks * bs), -1, dtype=torch.int64)
         off = torch.arange(bs)
-        for b, (r, end) in enumerate(zip(rows, ends)):
+        for b, r in enumerate(rows):
             if not r:
                 continue
+            phys[b, :len(r)] = torch.tensor([pb for _, pb in r])
             logical = torch.tensor([j for j, _ in r])[:, None]  # [nb, 1]
-            phys = torch.tensor([pb for _, pb in r])[:, None]
-            m = lens[b]
-            slot[b, :m] = (phys * bs + off).reshape(-1)[:m]
-            kpos[b, :m] = (logical * bs + off).reshape(-1)[:m]
-        flat = slot.reshape(-1)
-        H, D = self.pool.k.shape[1:]
-        # [B*N, Hkv, D] -> [B, Hkv, N, D]
-        k_all = self.pool.k[flat].view(len(rows), n, H, D).transpose(1, 2).contiguous()
-        v_all = self.pool.v[flat].view(len(rows), n, H, D).transpose(1, 2).contiguous()
-        return k_all, v_all, kpos
+            kpos[b, :lens[b]] = (logical * bs + off).reshape(-1)[:lens[b]]
+        k, v = (PagedRows(t.unsqueeze(0), phys, bs, n) for t in (self.pool.k, self.pool.v))
+        if contiguous or not native.available():
+            k, v = k.gather(), v.gather()
+        return k, v, kpos[:, :n]
 
     def _free_out_of_window(self, st: PagedStream, end: int) -> None:
         w, s = st.windows[self.layer], st.sinks[self.layer]

@@ -24,7 +24,7 @@ step) per call site, or ``LONGATTN_NATIVE=off`` for the whole process (ops/nativ
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -79,6 +79,26 @@ class MaskMemo:
         self._entries.clear()
 
 
+class PagedRows(NamedTuple):
+    """A paged cache's keys or values read in place: slot ``s`` of stream ``b`` is row
+    ``table[b, s // block_size] * block_size + s % block_size`` of ``pool``.
+
+    ``attend`` hands it to the fused decode kernel as it is; any other kernel reads
+    ``gather()``, the ``[B, Hkv, length, D]`` tensor a growing cache would hold."""
+
+    pool: torch.Tensor   # [1, Hkv, R, D]: every stream's blocks, rows contiguous
+    table: torch.Tensor  # int64 [B, NB]: each stream's blocks in position order
+    block_size: int
+    length: int          # N slots per stream (<= NB * block_size)
+
+    def gather(self) -> torch.Tensor:
+        """``[B, Hkv, N, D]``: each stream's blocks copied whole, in order, cut to N slots."""
+        _, H, _, D = self.pool.shape
+        B, nb = self.table.shape
+        blocks = self.pool[0].view(H, -1, self.block_size, D).index_select(1, self.table.reshape(-1))
+        return blocks.view(H, B, nb * self.block_size, D)[:, :, :self.length].transpose(0, 1).contiguous()
+
+
 def fused_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap,
                   sink_logits: Optional[torch.Tensor] = None) -> bool:
     """The C++ decode kernel serves one float32 query per stream without soft-capping (learned
@@ -95,7 +115,8 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
     Args:
         q: ``[B, H, Tq, D]``; q_pos: ``[B, Tq]`` int64 (negative = padding query, outputs zeros).
-        k, v: ``[B, Hkv, S, D]``; k_pos: ``[B, S]`` (negative = empty slot, never read).
+        k, v: ``[B, Hkv, S, D]`` (or ``PagedRows``: a paged cache read in place); k_pos: ``[B, S]``
+            (negative = empty slot, never read).
         window: keys per query including itself (None = full causal); sinks: first positions
             always readable; scale: score multiplier; softcap: Gemma-style score soft-capping.
         fused: allow the C++ decode kernel (False keeps the matmul form, its reference).
@@ -107,6 +128,12 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     Returns:
         ``[B, H, Tq, D]``.
     """
+    if isinstance(k, PagedRows):
+        if fused and fused_applies(q, k.pool, v.pool, softcap, sink_logits):
+            none = q.new_empty(q.shape[0], k.pool.shape[1], 0, q.shape[3])  # the pool already holds it
+            return torch.ops.longattn_cpu.decode_attention(q, k.pool, v.pool, k_pos, q_pos, none, none, window or 0,
+                                                           sinks, float(scale), sink_logits, k.table, k.block_size)
+        k, v = k.gather(), v.gather()
     if fused and fused_applies(q, k, v, softcap, sink_logits):
         none = k[:, :, :0]  # no separate own key: the cache already holds it
         return torch.ops.longattn_cpu.decode_attention(q, k, v, k_pos, q_pos, none, none,

@@ -89,7 +89,8 @@ def _build() -> bool:
         return codes.new_empty(codes.shape[0], codes.shape[1] * 2, dtype=torch.float32)
 
     @torch.library.register_fake("longattn_cpu::decode_attention")
-    def _(q, k, v, k_pos, q_pos, k_new, v_new, window, sinks, scale, sink_logits=None):
+    def _(q, k, v, k_pos, q_pos, k_new, v_new, window, sinks, scale, sink_logits=None, block_table=None,
+          block_size=0):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
     return True
 

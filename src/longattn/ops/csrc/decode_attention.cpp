@@ -13,6 +13,10 @@
 //                                    (window <= 0 or pos_q - pos_j < window or pos_j < sinks)
 //   sink_logits  [H] or none float32 learned per-head sink logits (gpt-oss): one more term
 //                                    e^sink in each head's denominator, with a zero value row
+//   block_table  [B, NB] or none int64, block_size: a paged cache read in place. k and v are
+//                then the pool [1, Hkv, R, D] shared by every stream, and slot s of stream b
+//                is row block_table[b, s / block_size] * block_size + s % block_size of it;
+//                k_pos [B, S] gives the slots' positions as before (S <= NB * block_size)
 //   -> [B, H, 1, D] = softmax over (allowed slots + own key [+ sink]) of q.k * scale, times V.
 //
 // Why it exists: the compiled step's matmul form reads each buffer through two batched
@@ -146,17 +150,37 @@ struct HeadPasses {
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& k_pos, const at::Tensor& q_pos, const at::Tensor& k_new,
                             const at::Tensor& v_new, int64_t window, int64_t sinks, double scale,
-                            const std::optional<at::Tensor>& sink_logits) {
+                            const std::optional<at::Tensor>& sink_logits,
+                            const std::optional<at::Tensor>& block_table, int64_t block_size) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k_new.dim() == 4 && v_new.dim() == 4,
               "decode_attention: q [B, H, 1, D], k/v [B, Hkv, S, D], k_new/v_new [B, Hkv, 1, D]");
   for (const auto* t : {&q, &k, &v, &k_new, &v_new})
     TORCH_CHECK(t->scalar_type() == at::kFloat, "decode_attention: float32 tensors only");
   TORCH_CHECK(k_pos.scalar_type() == at::kLong && q_pos.scalar_type() == at::kLong,
               "decode_attention: positions are int64");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Hkv = k.size(1), S = k.size(2);
+  const bool paged = block_table.has_value();
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Hkv = k.size(1);
+  const int64_t S = paged ? k_pos.size(1) : k.size(2);
   TORCH_CHECK(q.size(2) == 1, "decode_attention: one query per stream");
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "decode_attention: query heads must be a multiple of KV heads");
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == D, "decode_attention: k/v shapes");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == (paged ? 1 : B) && k.size(3) == D,
+              "decode_attention: k/v shapes ([1, Hkv, R, D] pools with a block table)");
+  at::Tensor table;
+  if (paged) {
+    table = block_table->contiguous();
+    TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.size(0) == B && block_size > 0 &&
+                table.size(1) * block_size >= S, "decode_attention: block_table int64 [B, NB] covering S slots");
+    const int64_t* t = table.data_ptr<int64_t>();
+    const int64_t blocks = k.size(2) / block_size;
+    for (int64_t i = 0; i < table.numel(); ++i)
+      TORCH_CHECK(0 <= t[i] && t[i] < blocks, "decode_attention: block_table entry outside the pool");
+  }
+  const int64_t* btp = paged ? table.data_ptr<int64_t>() : nullptr;
+  const int64_t nbt = paged ? table.size(1) : 0;
+  // the row of slot s of stream b within its (stream, head) base: the slot itself, or paged
+  const auto row_of = [btp, nbt, block_size](int64_t b, int64_t s) {
+    return btp == nullptr ? s : btp[b * nbt + s / block_size] * block_size + s % block_size;
+  };
   TORCH_CHECK(k_new.sizes() == v_new.sizes() && k_new.size(0) == B && k_new.size(1) == Hkv &&
               k_new.size(2) <= 1 && k_new.size(3) == D, "decode_attention: k_new/v_new shapes");
   const bool has_new = k_new.size(2) == 1;
@@ -223,11 +247,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       scores.resize(G * n);
       krow.resize(n);
       vrow.resize(n);
-      const float* kh = kp + b * ksb + h * ksh;
-      const float* vh = vp + b * vsb + h * vsh;
+      const float* kh = kp + (paged ? 0 : b * ksb) + h * ksh;  // a pool has one base for all streams
+      const float* vh = vp + (paged ? 0 : b * vsb) + h * vsh;
       for (int64_t j = 0; j < n; ++j) {
-        krow[j] = kh + idx[j] * D;
-        vrow[j] = vh + idx[j] * D;
+        const int64_t r = row_of(b, idx[j]);
+        krow[j] = kh + r * D;
+        vrow[j] = vh + r * D;
       }
       // scores: eight rows at a time, every query head per block (the rows stay in L1)
       int64_t j = 0;
@@ -312,7 +337,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 TORCH_LIBRARY_FRAGMENT(longattn_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor k_pos, Tensor q_pos, Tensor k_new, "
-        "Tensor v_new, int window, int sinks, float scale, Tensor? sink_logits=None) -> Tensor");
+        "Tensor v_new, int window, int sinks, float scale, Tensor? sink_logits=None, Tensor? block_table=None, "
+        "int block_size=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(longattn_cpu, CPU, m) {
