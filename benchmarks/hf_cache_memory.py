@@ -1,12 +1,14 @@
 """Cache memory of transformers' generate on SmolLM2-135M: longattn.hf SinkCache against
 transformers' default DynamicCache, sampled as the output grows.
 
-Both arms generate the same number of tokens (greedy, no stop token) from the same prompt;
+Both arms generate greedily (no stop token) from the same prompt, the SinkCache arm first;
 a stopping criterion records the cache's K/V bytes after every --every steps, and the
 process's resident memory. The SinkCache's bytes stay at ``(sinks + window)`` slots a layer;
-the default cache grows by one slot a layer per token.
+the default cache grows by one slot a layer per token, and its attention with it, so its arm
+may be cut shorter (``--dynamic-tokens``): the growth is linear from the first samples on.
+The JSON is written after each arm, so a stopped run keeps the finished one.
 
-    python benchmarks/hf_cache_memory.py --tokens 20000 --threads 2     # the full run
+    python benchmarks/hf_cache_memory.py --tokens 20000 --dynamic-tokens 8000 --threads 2
     python benchmarks/hf_cache_memory.py --tokens 64 --every 16         # smoke
 
 Writes benchmarks/results/hf_cache_memory.json (and .png with matplotlib). Never run it
@@ -16,18 +18,17 @@ beside tests or builds.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 
 import longattn.hf
+from common import RESULTS, write_result
 from longattn.checkpoint import load_checkpoint
 from longattn.checkpoint.oracle import oracle_model
 from longattn.lab.stream import resident_bytes
 
-RESULTS = Path(__file__).parent / "results"
 
 
 def dynamic_cache_bytes(cache) -> int:
@@ -59,7 +60,9 @@ def run_arm(model, ids, tokens: int, every: int, cache, nbytes) -> list:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=20000)
+    p.add_argument("--tokens", type=int, default=20000, help="tokens the SinkCache arm generates")
+    p.add_argument("--dynamic-tokens", type=int, default=None,
+                   help="tokens the default-cache arm generates (default: --tokens)")
     p.add_argument("--every", type=int, default=500)
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--sinks", type=int, default=4)
@@ -71,17 +74,18 @@ def main() -> None:
     tok = load_checkpoint("smollm2-135m", progress=False).tokenizer
     model = oracle_model("smollm2-135m")
     ids = torch.tensor([tok("Call me Ishmael. Some years ago")["input_ids"]])
-    default = DynamicCache(config=model.config)
-    rows_default = run_arm(model, ids, args.tokens, args.every, default, lambda: dynamic_cache_bytes(default))
+    dyn_tokens = args.tokens if args.dynamic_tokens is None else args.dynamic_tokens
+    out = {"model": "smollm2-135m", "tokens": args.tokens, "dynamic_tokens": dyn_tokens, "window": args.window, "sinks": args.sinks,
+           "threads": args.threads, "columns": ["tokens", "cache_bytes", "rss_bytes", "seconds"]}
     sink = longattn.hf.apply(model, window=args.window, sinks=args.sinks)
     rows_sink = run_arm(model, ids, args.tokens, args.every, sink, sink.nbytes)
     longattn.hf.detach(model)
-    out = {"model": "smollm2-135m", "tokens": args.tokens, "window": args.window, "sinks": args.sinks,
-           "threads": args.threads, "columns": ["tokens", "cache_bytes", "rss_bytes", "seconds"],
-           "sink_cache": rows_sink, "dynamic_cache": rows_default,
-           "sink_bytes_constant": len({r[1] for r in rows_sink}) <= 1}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    out.update(sink_cache=rows_sink, sink_bytes_constant=len({r[1] for r in rows_sink}) <= 1)
+    write_result(args.out, out)
+    default = DynamicCache(config=model.config)
+    rows_default = run_arm(model, ids, dyn_tokens, args.every, default, lambda: dynamic_cache_bytes(default))
+    out.update(dynamic_cache=rows_default)
+    write_result(args.out, out)
     for name, rows in (("SinkCache", rows_sink), ("DynamicCache", rows_default)):
         last = rows[-1] if rows else (0, 0, 0, 0.0)
         print(f"{name:<13} {last[0]:>7} tokens  cache {last[1] / 2**20:8.2f} MiB  rss {last[2] / 2**20:7.0f} MiB  "
