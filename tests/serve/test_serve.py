@@ -513,3 +513,36 @@ def test_a_request_the_pool_cannot_hold_yet_waits_and_then_runs(checkpoint):
             engine.submit(Request(prompt=[5, 6], max_tokens=200, sampling=SamplingConfig(), emit=print))
     finally:
         engine.stop()
+
+
+def test_next_turn_reuses_its_stream_when_the_pool_is_tight(checkpoint):
+    """A windowed chat's next turn continues its retained stream even when that stream and the
+    turn's own reservation together exceed the pool: the stream is taken over, never evicted to
+    make room for the very request that would continue it (which made every long windowed chat
+    re-prefill). Output equals the request served alone."""
+    ck, model = checkpoint
+    pol = AttentionPolicy.build(ck.config, "window", window=8, sinks=2)
+    first = list(range(3, 63))
+
+    def run(num_blocks):
+        engine = Engine(model, ck.tokenizer, pol, EngineConfig(block_size=4, num_blocks=num_blocks, chunk=16)).start()
+        try:
+            def ask(ids, n):
+                done = threading.Event()
+                req = Request(prompt=ids, max_tokens=n, sampling=SamplingConfig(),
+                              emit=lambda kind, p: done.set() if kind != "text" else None)
+                engine.submit(req)
+                assert done.wait(60)
+                return req
+            r1 = ask(first, 6)
+            retained = engine.snapshot()["blocks_retained"]
+            second = first + r1.generated + [20, 21, 22, 23]
+            return r1, retained, second, ask(second, 6), engine.blocks_needed(pol, len(second), 6)
+        finally:
+            engine.stop()
+    _, retained, second, roomy, need = run(4096)
+    assert roomy.reused > 0
+    tight = need + retained - 1  # the turn's reservation and the stream it continues do not both fit
+    _, _, _, r2, _ = run(tight)
+    assert r2.reused == roomy.reused and r2.generated == roomy.generated
+    assert r2.generated == generate(Session(model, pol), [second], 6, SamplingConfig()).tokens[0]

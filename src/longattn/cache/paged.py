@@ -115,13 +115,9 @@ class PagedStream:
                 pool.release(b)
             t.clear()
 
-    def truncate(self, n: int, pool: BlockPool) -> bool:
-        """Forget positions ``n ..`` so the stream can continue from position ``n``.
-
-        Possible only when every layer still holds what a query at ``n`` reads: its sinks
-        and positions ``max(S, n - W + 1) .. n - 1`` on windowed layers, ``0 .. n - 1`` on
-        global ones. Returns False (and changes nothing) otherwise.
-        """
+    def can_truncate(self, n: int, pool: BlockPool) -> bool:
+        """Whether every layer still holds what a query at ``n`` reads: its sinks and positions
+        ``max(S, n - W + 1) .. n - 1`` on windowed layers, ``0 .. n - 1`` on global ones."""
         bs = pool.block_size
         if n > self.next_pos:
             return False
@@ -130,6 +126,14 @@ class PagedStream:
             need = set(range(0, -(-min(s, n) // bs))) | set(range(lo // bs, -(-n // bs)))
             if not need.issubset(t.keys()):
                 return False
+        return True
+
+    def truncate(self, n: int, pool: BlockPool) -> bool:
+        """Forget positions ``n ..`` so the stream can continue from position ``n``; possible
+        only where ``can_truncate(n)``. Returns False (and changes nothing) otherwise."""
+        bs = pool.block_size
+        if not self.can_truncate(n, pool):
+            return False
         for t in self.tables:
             for j in [j for j in t if j * bs >= n]:
                 pool.release(t.pop(j))

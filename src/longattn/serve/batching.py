@@ -298,45 +298,53 @@ class Engine:
     def _admit(self) -> None:
         while self.waiting:
             r = self.waiting[0]
-            while not self._fits_with_retained(r) and self.retained:
-                _, (_, _, st) = self.retained.popitem(last=False)  # least recently used
+            # The retained stream this request would continue is found first and never evicted
+            # to make room for it: its blocks become the request's own (counted in r.need).
+            # Evicting it first would make every long windowed chat re-prefill, since a turn's
+            # need and the stream it continues together often exceed the pool.
+            reuse = self._best_reuse(r)
+            keep = reuse[0] if reuse else None
+            while not self._fits_with_retained(r, keep) and any(k != keep for k in self.retained):
+                victim = next(k for k in self.retained if k != keep)  # least recently used
+                _, _, st = self.retained.pop(victim)
                 st.release(self.pool)
-            if not self._fits_with_retained(r):
+            if not self._fits_with_retained(r, keep):
                 return
             self.waiting.pop(0)
             self.reserved += r.need
             self.metrics.prompt_tokens += len(r.prompt)
-            r.stream = self._reuse(r) or PagedStream.for_policy(r.policy)
+            self.metrics.prefix_queries += 1
+            r.stream = self._take_over(r, *reuse) if reuse else PagedStream.for_policy(r.policy)
             self.running.append(r)
 
-    def _fits_with_retained(self, r: Request) -> bool:
-        held = sum(s.blocks() for _, _, s in self.retained.values())
+    def _fits_with_retained(self, r: Request, keep=None) -> bool:
+        """Whether ``r`` fits beside the running requests and the retained streams (but ``keep``,
+        the stream ``r`` takes over)."""
+        held = sum(s.blocks() for k, (_, _, s) in self.retained.items() if k != keep)
         return len(self.running) < self.config.max_batch and \
             self.reserved + r.need <= self.pool.num_blocks - held
 
-    def _reuse(self, r: Request) -> Optional[PagedStream]:
-        """Take over the retained stream sharing the longest usable prefix with ``r.prompt``."""
-        self.metrics.prefix_queries += 1
-        if not self.retained:
-            return None
-        best, best_n = None, 0
+    def _best_reuse(self, r: Request) -> Optional[tuple]:
+        """``(key, n)``: the retained stream sharing the longest usable prefix (n tokens) with
+        ``r.prompt``, or None. Usable: the stream still holds what a query at ``n`` reads."""
+        best = None
         for key, (pk, toks, st) in self.retained.items():
             if pk != r.policy_key:
                 continue
             n = _common_prefix(toks, r.prompt)
             n = min(n, len(r.prompt) - 1)  # at least one token is fed: its logits start the reply
-            if n > best_n:
-                best, best_n = key, n
-        if best is None:
-            return None
-        _, toks, st = self.retained[best]
-        if not st.truncate(best_n, self.pool):
-            return None
-        del self.retained[best]
-        r.fed = list(toks[:best_n])
-        r.reused = best_n
+            if n > (best[1] if best else 0) and st.can_truncate(n, self.pool):
+                best = (key, n)
+        return best
+
+    def _take_over(self, r: Request, key, n: int) -> PagedStream:
+        """Continue the retained stream ``key`` from position ``n`` as ``r``'s stream."""
+        _, toks, st = self.retained.pop(key)
+        st.truncate(n, self.pool)
+        r.fed = list(toks[:n])
+        r.reused = n
         self.metrics.prefix_hits += 1
-        self.metrics.prefix_tokens += best_n
+        self.metrics.prefix_tokens += n
         return st
 
     def _decode(self) -> None:
