@@ -228,7 +228,8 @@ def quality_cells(model: str, weights: str, cfg, passages: int, length: int, win
 def markdown_rows(result: dict) -> tuple:
     """(headers, rows) of the quality table for Markdown: bits/token and delta with intervals."""
     b = result["baseline"]
-    heads = ["policy", "window", "sinks", "bits/token [95% CI]", "delta [95% CI]"]
+    heads = ["policy", "window", "sinks" if result["mode"] == "window" else "sinks (every windowed layer)",
+             "bits/token [95% CI]", "delta [95% CI]"]
     rows = [[b["label"], "-", "-", f"{b['bits_per_token']:.4f} [{b['ci'][0]:.4f}, {b['ci'][1]:.4f}]", "-"]]
     kind = "window" if result["mode"] == "window" else "W on global layers"
     rows += [[kind, r["window"], r["sinks"], f"{r['bits_per_token']:.4f} [{r['ci'][0]:.4f}, {r['ci'][1]:.4f}]",

@@ -37,8 +37,10 @@ def retrieval_policy_specs(cfg, window: int, sinks: int, mode: str = "auto", scs
     where = "" if m == "window" else " on global layers"
     out = [(baseline_label(cfg), {"mode": "checkpoint"}),
            (f"window {window}{where}", {"mode": m, "window": window})]
-    if sinks:
-        out.append((f"window {window} + {sinks} sinks{where}", {"mode": m, "window": window, "sinks": sinks}))
+    if sinks:  # sinks go on every windowed layer, trained local windows included (AttentionPolicy.build)
+        label = f"window {window} + {sinks} sinks" if m == "window" else \
+            f"window {window} on global layers, {sinks} sinks on every windowed layer"
+        out.append((label, {"mode": m, "window": window, "sinks": sinks}))
     if scsa:
         out.append(("SCSA", {"mode": "sparse"}))
     return out
