@@ -20,7 +20,6 @@ of the machine falls on both arms alike.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import subprocess
@@ -33,7 +32,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, write_result  # noqa: E402
 
 TOPICS = ["the sea", "a lighthouse", "winter in a small town", "the first train", "a lost key",
           "an old map", "the night market", "a letter never sent"]
@@ -259,11 +259,7 @@ def main() -> int:
             print(f"clients={r['clients']:3d}: longattn / llama.cpp decode throughput {r['decode_tok_s']:.2f}x, "
                   f"ttft p50 {r['ttft_p50']:.2f}x")
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, default=float))
-    tmp.replace(out)
+    out = write_result(args.out, doc)  # with the date, command, CPU and threads beside the figures
     print(f"wrote {out}")
     errors = sum(r["errors"] for a in doc["arms"].values() for r in a.get("runs", []))
     return 1 if errors else 0

@@ -444,10 +444,11 @@ def test_retained_streams_keep_their_blocks_accounted_as_requests_come_and_go(ch
 
 def test_windowed_conversation_memory_stays_flat_past_the_context(checkpoint):
     """400 tokens on a window of 8 with 4 sinks, past the model's context of 256: the blocks held
-    stop growing once the window is full, and stay within what admission reserved."""
+    stop growing once the window and its rewind margin (4 positions here) are full, and stay
+    within what admission reserved."""
     ck, _ = checkpoint
     pol = AttentionPolicy.build(ck.config, "window", window=8, sinks=4)
-    engine = _engine(checkpoint, pol)
+    engine = _engine(checkpoint, pol, rewind=4)
     used, done = [], threading.Event()
     req = Request(prompt=list(range(3, 13)), max_tokens=400, sampling=SamplingConfig(),
                   emit=lambda kind, p: used.append(engine.pool.used) if kind == "text" else done.set())
@@ -546,3 +547,36 @@ def test_next_turn_reuses_its_stream_when_the_pool_is_tight(checkpoint):
     _, _, _, r2, _ = run(tight)
     assert r2.reused == roomy.reused and r2.generated == roomy.generated
     assert r2.generated == generate(Session(model, pol), [second], 6, SamplingConfig()).tokens[0]
+
+
+@pytest.mark.parametrize("rewind", [0, 8])
+def test_next_turn_continues_from_before_where_the_last_ended(checkpoint, rewind):
+    """A chat template that re-renders the end of the last reply differently (Gemma's trims it)
+    makes the next turn share a prefix a few tokens shorter than what the stream stored. Windowed
+    layers keep ``rewind`` positions beyond their window, so the stream is continued from there
+    and only the rest is prefilled; without the margin the window has freed what that needs.
+    Either way the output equals the request served alone."""
+    ck, model = checkpoint
+    pol = AttentionPolicy.build(ck.config, "window", window=8, sinks=2)
+    engine = Engine(model, ck.tokenizer, pol, EngineConfig(block_size=4, num_blocks=1024, chunk=16,
+                                                           rewind=rewind)).start()
+    try:
+        def ask(ids, n):
+            done = threading.Event()
+            req = Request(prompt=ids, max_tokens=n, sampling=SamplingConfig(),
+                          emit=lambda kind, p: done.set() if kind != "text" else None)
+            engine.submit(req)
+            assert done.wait(60)
+            return req
+        first = list(range(3, 63))
+        r1 = ask(first, 8)
+        stored = len(first) + len(r1.generated) - (r1.finish_reason == "length")
+        # the reply's last 4 stored tokens come back differently (5 with the one never fed)
+        second = first + r1.generated[:-5] + [30, 31, 32, 33, 34, 35]
+        shared = len(first) + len(r1.generated) - 5
+        r2 = ask(second, 6)
+        assert stored - shared == 4
+        assert r2.reused == (shared if rewind else 0)
+        assert r2.generated == generate(Session(model, pol), [second], 6, SamplingConfig()).tokens[0]
+    finally:
+        engine.stop()

@@ -83,26 +83,33 @@ class PagedStream:
     """One stream's pages: per layer, logical block -> physical block (in position order).
 
     ``windows[l]`` / ``sinks[l]``: the layer's window (None = global) and sinks, which decide
-    what it may free. ``next_pos``: positions ``0 .. next_pos - 1`` have been stored.
+    what it may free. ``rewind``: windowed layers keep this many positions more than the next
+    query reads, so the stream can still be continued from up to ``rewind`` positions back
+    (``truncate``): a chat's next turn often re-renders the end of the last reply differently
+    (a template that trims it, a word cut by max_tokens), and without the margin a window would
+    already have freed what continuing from there reads. ``next_pos``: positions
+    ``0 .. next_pos - 1`` have been stored.
     """
 
     windows: list
     sinks: list
     tables: list = field(default_factory=list)
     next_pos: int = 0
+    rewind: int = 0
 
     def __post_init__(self):
         if not self.tables:
             self.tables = [dict() for _ in self.windows]
 
     @classmethod
-    def for_policy(cls, policy) -> "PagedStream":
-        """A stream whose layers free blocks by ``policy``'s windows and sinks."""
+    def for_policy(cls, policy, rewind: int = 0) -> "PagedStream":
+        """A stream whose layers free blocks by ``policy``'s windows and sinks (``rewind``: see
+        the class)."""
         for lp in policy.layers:
             if lp.kind != "window":
                 raise LongattnError(f"the paged cache serves window/dense layers only, not '{lp.kind}'")
         return cls([lp.window if lp.window else None for lp in policy.layers],
-                   [lp.sinks if lp.window else 0 for lp in policy.layers])
+                   [lp.sinks if lp.window else 0 for lp in policy.layers], rewind=rewind)
 
     def blocks(self) -> int:
         """Blocks held over all layers."""
@@ -141,13 +148,15 @@ class PagedStream:
         return True
 
 
-def blocks_bound(window: Optional[int], sinks: int, tokens: int, chunk: int, block_size: int) -> int:
+def blocks_bound(window: Optional[int], sinks: int, tokens: int, chunk: int, block_size: int,
+                 rewind: int = 0) -> int:
     """Most blocks one layer of a stream holds at once while storing ``tokens`` positions
-    in chunks of at most ``chunk`` (a window frees what leaves it; global layers keep all)."""
+    in chunks of at most ``chunk`` (a window frees what leaves it, keeping ``rewind`` positions
+    more; global layers keep all)."""
     total = -(-tokens // block_size)
     if window is None:
         return total
-    held = -(-min(sinks, tokens) // block_size) + -(-(window - 1 + chunk) // block_size) + 1
+    held = -(-min(sinks, tokens) // block_size) + -(-(window - 1 + chunk + rewind) // block_size) + 1
     return min(total, held)
 
 
@@ -214,7 +223,8 @@ class PagedLayerCache(LayerCache):
         w, s = st.windows[self.layer], st.sinks[self.layer]
         if w is None:
             return
-        bs, lo = self.pool.block_size, end - w + 1  # first position the next query reads
+        bs, lo = self.pool.block_size, end - w + 1 - st.rewind  # first position kept: the next
+        # query reads from end - w + 1; rewind more are kept to continue from further back
         table = st.tables[self.layer]
         for j in [j for j in table if (j + 1) * bs <= lo and j * bs >= s]:
             self.pool.release(table.pop(j))

@@ -32,6 +32,10 @@ def add_parser(sub) -> None:
                    help="prompt tokens per engine step (decode steps of other requests run between chunks)")
     p.add_argument("--prefix-cache", type=int, default=16,
                    help="finished conversations kept for prefix reuse (0 = off)")
+    p.add_argument("--prefix-rewind", type=int, default=64, metavar="N",
+                   help="positions a windowed layer keeps beyond its window, so a conversation can be "
+                        "continued from up to N tokens before where its last turn ended (a chat template "
+                        "that re-renders the reply's end differently) without a full prefill")
     p.add_argument("--drain-timeout", type=float, default=60.0,
                    help="on SIGTERM/SIGINT, seconds to let requests in flight finish before they are cut")
     add_policy_args(p)
@@ -50,7 +54,8 @@ def run(args) -> int:
     if not 0 < args.port < 65536:
         raise LongattnError(f"--port must be in 1..65535, got {args.port}")
     config = EngineConfig(block_size=args.block_size, num_blocks=args.kv_blocks, max_batch=args.max_batch,
-                          max_queue=args.max_queue, chunk=args.prefill_chunk, retain=args.prefix_cache)
+                          max_queue=args.max_queue, chunk=args.prefill_chunk, retain=args.prefix_cache,
+                          rewind=args.prefix_rewind)
     if args.policy == "sparse":
         raise LongattnError("serve runs window and dense policies; the paged cache has no sparse path")
     ck = open_checkpoint(args)

@@ -58,6 +58,7 @@ class EngineConfig:
     max_queue: int = 64         # requests waiting for admission before 429
     chunk: int = 256            # prefill tokens per step
     retain: int = 16            # finished streams kept for prefix reuse (0 = off)
+    rewind: int = 64            # positions a windowed layer keeps beyond its window (PagedStream)
 
     def __post_init__(self):
         check_int("--block-size", self.block_size, minimum=1)
@@ -66,6 +67,7 @@ class EngineConfig:
         check_int("--max-queue", self.max_queue, minimum=0)
         check_int("--prefill-chunk", self.chunk, minimum=1)
         check_int("--prefix-cache", self.retain, minimum=0)
+        check_int("--prefix-rewind", self.rewind, minimum=0)
 
 
 @dataclass
@@ -179,7 +181,7 @@ class Engine:
         c = self.config
         longest = min(c.chunk, prompt)
         return sum(blocks_bound(lp.window or None, lp.sinks if lp.window else 0, prompt + max_tokens, longest,
-                                c.block_size) for lp in policy.layers)
+                                c.block_size, c.rewind) for lp in policy.layers)
 
     def submit(self, req: Request) -> None:
         """Queue ``req``; raises QueueFull when the queue is full, LongattnError when the pool
@@ -314,7 +316,7 @@ class Engine:
             self.reserved += r.need
             self.metrics.prompt_tokens += len(r.prompt)
             self.metrics.prefix_queries += 1
-            r.stream = self._take_over(r, *reuse) if reuse else PagedStream.for_policy(r.policy)
+            r.stream = self._take_over(r, *reuse) if reuse else PagedStream.for_policy(r.policy, self.config.rewind)
             self.running.append(r)
 
     def _fits_with_retained(self, r: Request, keep=None) -> bool:
