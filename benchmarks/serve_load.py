@@ -61,6 +61,14 @@ def wait_up(url: str, proc: subprocess.Popen, seconds: float = 600) -> None:
     raise SystemExit(f"server at {url} did not come up in {seconds:.0f} s")
 
 
+def rss_mib(pid: int) -> float:
+    """VmRSS of ``pid`` (Linux), MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def peak_rss_mib(pid: int) -> float:
     """VmHWM of ``pid`` (Linux), MiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

@@ -19,18 +19,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 from common import RESULTS, write_result
-from serve_load import Server, free_port, peak_rss_mib, scrape, stop
+from serve_load import Server, free_port, peak_rss_mib, rss_mib, scrape, stop
 
-
-def rss_mib(pid: int) -> float:
-    """VmRSS of ``pid`` (Linux), MiB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def main() -> int:

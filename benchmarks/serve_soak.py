@@ -16,14 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_load import RESULTS, ROOT, free_port, scrape, start, stop, wait_up  # noqa: E402
+from serve_load import RESULTS, ROOT, free_port, rss_mib, scrape, start, stop, wait_up  # noqa: E402
 
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def main() -> int:

@@ -313,6 +313,17 @@ def test_next_chat_turn_prefills_only_new_tokens(server):
     assert r2.choices[0].message.content == want
 
 
+
+def _ask(engine, ids, n):
+    """Submit ``ids`` for ``n`` greedy tokens to a started Engine and wait: the finished Request."""
+    done = threading.Event()
+    req = Request(prompt=ids, max_tokens=n, sampling=SamplingConfig(),
+                  emit=lambda kind, p: done.set() if kind != "text" else None)
+    engine.submit(req)
+    assert done.wait(60)
+    return req
+
+
 def test_gemma3_hybrid_next_turn_reuses_its_prefix(served_dir):
     """On Gemma 3's local/global layers the stored conversation stays reusable: its local layers
     hold their sinks and last window, its global layers everything."""
@@ -324,17 +335,10 @@ def test_gemma3_hybrid_next_turn_reuses_its_prefix(served_dir):
     pol = AttentionPolicy.from_config(ck.config)
     engine = Engine(model, ck.tokenizer, pol, EngineConfig(block_size=4, num_blocks=512, chunk=16)).start()
     try:
-        def ask(ids, n):
-            done = threading.Event()
-            req = Request(prompt=ids, max_tokens=n, sampling=SamplingConfig(),
-                          emit=lambda kind, p: done.set() if kind != "text" else None)
-            engine.submit(req)
-            assert done.wait(60)
-            return req
         first = list(range(3, 43))  # 40 tokens: past the window of 8
-        r1 = ask(first, 12)
+        r1 = _ask(engine, first, 12)
         second = first + r1.generated + [2, 50, 60, 70]
-        r2 = ask(second, 6)
+        r2 = _ask(engine, second, 6)
         assert r2.reused == len(first) + len(r1.generated) - (r1.finish_reason == "length")
         alone = generate(Session(model, pol), [second], 6, SamplingConfig()).tokens[0]
         assert r2.generated == alone
@@ -528,17 +532,10 @@ def test_next_turn_reuses_its_stream_when_the_pool_is_tight(checkpoint):
     def run(num_blocks):
         engine = Engine(model, ck.tokenizer, pol, EngineConfig(block_size=4, num_blocks=num_blocks, chunk=16)).start()
         try:
-            def ask(ids, n):
-                done = threading.Event()
-                req = Request(prompt=ids, max_tokens=n, sampling=SamplingConfig(),
-                              emit=lambda kind, p: done.set() if kind != "text" else None)
-                engine.submit(req)
-                assert done.wait(60)
-                return req
-            r1 = ask(first, 6)
+            r1 = _ask(engine, first, 6)
             retained = engine.snapshot()["blocks_retained"]
             second = first + r1.generated + [20, 21, 22, 23]
-            return r1, retained, second, ask(second, 6), engine.blocks_needed(pol, len(second), 6)
+            return r1, retained, second, _ask(engine, second, 6), engine.blocks_needed(pol, len(second), 6)
         finally:
             engine.stop()
     _, retained, second, roomy, need = run(4096)
@@ -561,20 +558,13 @@ def test_next_turn_continues_from_before_where_the_last_ended(checkpoint, rewind
     engine = Engine(model, ck.tokenizer, pol, EngineConfig(block_size=4, num_blocks=1024, chunk=16,
                                                            rewind=rewind)).start()
     try:
-        def ask(ids, n):
-            done = threading.Event()
-            req = Request(prompt=ids, max_tokens=n, sampling=SamplingConfig(),
-                          emit=lambda kind, p: done.set() if kind != "text" else None)
-            engine.submit(req)
-            assert done.wait(60)
-            return req
         first = list(range(3, 63))
-        r1 = ask(first, 8)
+        r1 = _ask(engine, first, 8)
         stored = len(first) + len(r1.generated) - (r1.finish_reason == "length")
         # the reply's last 4 stored tokens come back differently (5 with the one never fed)
         second = first + r1.generated[:-5] + [30, 31, 32, 33, 34, 35]
         shared = len(first) + len(r1.generated) - 5
-        r2 = ask(second, 6)
+        r2 = _ask(engine, second, 6)
         assert stored - shared == 4
         assert r2.reused == (shared if rewind else 0)
         assert r2.generated == generate(Session(model, pol), [second], 6, SamplingConfig()).tokens[0]
