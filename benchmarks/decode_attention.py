@@ -60,18 +60,17 @@ def main():
         mask = allowed_mask(q_pos, k_pos, window, sinks)
         scale = D ** -0.5
         arms = {
-            "fused": lambda k, v: torch.ops.longattn_cpu.decode_attention(
-                q, k, v, k_pos, q_pos, k_new, v_new, window, sinks, scale),
+            "fused": lambda k, v, isa=-1: torch.ops.longattn_cpu.decode_attention(
+                q, k, v, k_pos, q_pos, k_new, v_new, window, sinks, scale, isa=isa),
             "matmul": lambda k, v: attend_buffer_and_self(q, k, v, mask, k_new, v_new, q_pos >= 0, scale),
         }
-        form = {}  # arm -> native.avx512 setting (None: automatic, the kernel's own choice)
-        if native.avx512(None):  # each of the fused kernel's row loops forced, as arms (same bits)
-            arms["fused-avx2"], form["fused-avx2"] = arms["fused"], False
-            arms["fused-avx512"], form["fused-avx512"] = arms["fused"], True
+        if native.has_avx512():  # each of the fused kernel's row loops forced, as arms (same bits)
+            fused = arms["fused"]
+            arms["fused-avx2"] = lambda k, v: fused(k, v, native.isa_code("avx2"))
+            arms["fused-avx512"] = lambda k, v: fused(k, v, native.isa_code("avx512"))
         times = {a: [] for a in arms}
         for r in range(args.repeats + 1):  # round 0 warms up
             for arm, f in arms.items():
-                native.avx512(form.get(arm))
                 ts = []
                 for i in range(args.calls):
                     k, v = bufs[i % n_bufs]
@@ -80,7 +79,6 @@ def main():
                     ts.append(time.perf_counter() - t0)
                 if r:
                     times[arm] += ts
-        native.avx512(None)
         med = {a: statistics.median(ts) for a, ts in times.items()}
         row = {"shape": name, "H": H, "Hkv": Hkv, "slots": S, "D": D, "buffer_bytes": per_buf,
                **{f"{a}_us": med[a] * 1e6 for a in arms},

@@ -52,7 +52,7 @@ from longattn.data import all_books_text
 from longattn.host import cpu_description
 from longattn.models import build_model
 from longattn.models.weights import parse_recipe
-from longattn.ops import int8_kernel
+from longattn.ops import linear
 from longattn.policy import AttentionPolicy
 from longattn.engine.sampling import greedy
 from longattn.engine.session import Session
@@ -327,7 +327,7 @@ def main():
     RESULTS.mkdir(parents=True, exist_ok=True)
     doc = {"threads": args.threads, "steps": args.steps, "repeats": args.repeats,
            "bandwidth_bytes_s": bandwidth, "compile_seconds": compile_s,
-           "int8_kernel": int8_kernel.kernel_name(), "static_attention": args.static_attention,
+           "int8_kernel": linear.kernel_name(), "static_attention": args.static_attention,
            "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
            "cpus": os.cpu_count(), "cpu": cpu_description(), "llama_cpp": getattr(llama_cpp, "__version__", None), "rows": rows}
     write_result(args.out, doc)

@@ -4,10 +4,9 @@ scsa_decode.py times each arm in one long run after the other; on a shared host 
 drifts by tens of percent over minutes that is not enough to trust a ratio. Here both compiled
 static decoders (dense, and SCSA on every layer) start from the same prefix cache and take
 turns: ``--rounds`` rounds of ``--block`` steps each. ``--cluster-sizes``, ``--tolerances``,
-``--outliers`` and ``--probes`` (SCSAConfig.probe_dims) add one SCSA arm per value (their product); where the CPU has AVX-512 VNNI each
-round runs once with the kernels' AVX2 forms and once with their AVX-512 forms (native.avx512;
-``--forms`` picks one; ``--forms auto`` leaves each kernel its automatic form, which on AMD keeps
-the dense attention's AVX2 loops), so the forms are compared in the same way. Every arm first takes ``--calib`` + 8
+``--outliers`` and ``--probes`` (SCSAConfig.probe_dims) add one SCSA arm per value (their
+product). Every kernel takes its automatic form (``ops.native.isa_code``; scsa_call.py and
+decode_attention.py compare the AVX2 and AVX-512 forms call by call). Every arm first takes ``--calib`` + 8
 untimed steps (SCSA calibrates there, fresh index per context), so all arms then decode the
 same positions.
 
@@ -102,10 +101,6 @@ def main():
     ap.add_argument("--probes", nargs="+", type=int, default=[SCSAConfig().probe_dims],
                     help="SCSAConfig.probe_dims per arm (0 = no probe)")
     ap.add_argument("--probe-keys", type=int, default=SCSAConfig().probe_keys)
-    ap.add_argument("--forms", nargs="+", choices=["both", "avx2", "avx512", "auto"], default=["both"],
-                    help="native kernel forms to time, each a setting of every arm's rounds (avx512 only where "
-                         "the CPU has it; both = avx2 avx512; auto: each kernel's automatic form, "
-                         "native.avx512(None))")
     ap.add_argument("--general", action="store_true",
                     help="per SCSA arm, an arm ...+general whose layers never take SCSALayer's decode-loop "
                          "shortcut (the general path's Python on every call; the same bits)")
@@ -119,15 +114,7 @@ def main():
     args = ap.parse_args()
     ck, model, ids = load_model(args)
     contexts = sorted(args.contexts, reverse=True)  # the cache is cut back from the longest
-    has_wide = native.avx512(None)
-    names = [f for name in args.forms for f in (["avx2", "avx512"] if name == "both" else [name])]
-    if "avx512" in names and not has_wide:
-        if args.forms == ["both"]:
-            names = ["avx2"]
-        else:
-            sys.exit("scsa_alternate: this CPU has no AVX-512 VNNI form; use --forms avx2, auto or both")
-    # native.avx512 settings: False / True force a form on every kernel, None leaves each its own
-    forms = list(dict.fromkeys({"avx2": False, "avx512": True, "auto": None}[n] for n in names))
+    forms = [None]  # each kernel's automatic form
     warm = args.calib + 8
     steps = warm + args.rounds * len(forms) * args.block
     max_len = contexts[0] + steps + 1
@@ -193,10 +180,8 @@ def main():
         samples = {(a, f): [] for a in decs for f in forms}
         for _ in range(args.rounds):
             for f in forms:
-                native.avx512(f)
                 for a in decs:
                     samples[(a, f)] += run(a, args.block)
-        native.avx512(None)
         for arm in sparse_arms:
             layers = list(decs[arm].sparse.layers.values())
             opened = sum(sc.counters["opened_rows"] for sc in layers)
@@ -244,7 +229,7 @@ def main():
         "probes": args.probes, "probe_keys": args.probe_keys, "outlier_slots": args.outlier_slots, "general": args.general,
         "calib_quantiles": args.calib_quantiles,
         "cpu": cpu_description(),
-        # the dense attention's loops under --forms auto (AVX2 on AMD, see native.avx512)
+        # the dense attention's automatic loops (AVX2 on AMD, see native.isa_code)
         "auto_dense_attention_form": "avx512" if native.dense_attention_avx512() else "avx2",
         "rows": rows})
     print(f"wrote {args.out}")

@@ -114,7 +114,7 @@ def main():
     if not native.available():
         sys.exit("scsa_call: the native kernels are not built here (needs AVX2 and a compiler)")
     scale = D ** -0.5
-    wide = native.avx512(None)
+    wide = native.has_avx512()
     rows = []
     for n in args.sizes:
         cache = synthetic_cache(n, HKV, D, seed=1)
@@ -126,42 +126,40 @@ def main():
         k_pos = torch.arange(n).unsqueeze(0)
         q_pos = torch.full((1, 1), n - 1)
         none = cache.k[:, :, :0]
-        layers, form = {}, {}
-        natives = {"scsa-native-avx2": False, "scsa-native-avx512": True} if wide else {"scsa-native": None}
+        layers = {}
+        natives = {"scsa-native-avx2": "avx2", "scsa-native-avx512": "avx512"} if wide else {"scsa-native": None}
         tag = (lambda o: f"+out{o}") if len(args.outliers) > 1 else (lambda o: "")  # noqa: E731
         for tau in args.taus:
             reads = ["", "+slots"] if args.outlier_slots else [""]
             for arm, nat, o in [(a + tag(o) + r, True, o) for a in natives for o in args.outliers for r in reads] + \
                     [("scsa-torch", False, 0)]:
+                isa = natives.get(arm.split("+")[0])
                 per_copy = []
                 for k, v in bufs:
                     layer = SCSALayer(SCSAConfig(min_context=0, calib_steps=0, tau_default=tau, native=nat,
-                                                 outliers=o), H, HKV, D)
+                                                 outliers=o, isa=isa), H, HKV, D)
                     layer.attend(qs[0], k, v, scale)  # builds the index, untimed
                     if arm.endswith("+slots"):  # fixed n: no rebuild brings the copies back
                         layer.indexes[0].extra_k = layer.indexes[0].extra_v = None
                     per_copy.append(layer)
                 layers[(arm, tau)] = per_copy
-                form[f"{arm}@{tau}"] = natives.get(arm.split("+")[0])
         arms = {f"{arm}@{tau}": (lambda i, Ls=per_copy: Ls[i % len(Ls)].attend(qs[i], *kv(i), scale))
                 for (arm, tau), per_copy in layers.items()}
         if args.python:
             for tau in args.taus:
                 arms.update(python_arms(n, tau, args.outliers[0], bufs, qs, scale))
-        fused = lambda i: torch.ops.longattn_cpu.decode_attention(  # noqa: E731
-            qs[i], *kv(i), k_pos, q_pos, none, none, 0, 0, scale)
+        fused = lambda i, isa=None: torch.ops.longattn_cpu.decode_attention(  # noqa: E731
+            qs[i], *kv(i), k_pos, q_pos, none, none, 0, 0, scale, isa=native.isa_code(isa))
         arms["fused-dense"] = fused  # the automatic form (native.dense_attention_avx512)
         if wide:  # each form forced
-            arms["fused-dense-avx2"], form["fused-dense-avx2"] = fused, False
-            arms["fused-dense-avx512"], form["fused-dense-avx512"] = fused, True
+            arms["fused-dense-avx2"] = lambda i: fused(i, "avx2")
+            arms["fused-dense-avx512"] = lambda i: fused(i, "avx512")
         arms["read-floor"] = lambda i: [t.sum() for t in kv(i)]
         arms["sdpa-dense"] = lambda i: F.scaled_dot_product_attention(qs[i], *kv(i), scale=scale, enable_gqa=True)
         samples = {a: [] for a in arms}
         for _ in range(args.repeats):
             for a, fn in arms.items():
-                native.avx512(form.get(a))  # None: the CPU's best
                 samples[a].append(timed(fn, args.calls))
-        native.avx512(None)
         med = {a: statistics.median(s) for a, s in samples.items()}
         opened = {}
         for (arm, tau), per_copy in layers.items():

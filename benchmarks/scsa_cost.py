@@ -36,6 +36,7 @@ import time
 import torch
 
 
+from longattn.cache.base import KVView
 from longattn.host import cpu_description
 from longattn.lab.plots import write_json
 from longattn.ops import native
@@ -87,7 +88,7 @@ def main() -> int:
         q = cache.queries(1, H, seed=2)[0]
         k, v = cache.k, cache.v
         pos = torch.arange(n).unsqueeze(0)
-        arms = {"dense": lambda: dense_op(q, pos[:, n - 1:], k, v, pos, scale)}
+        arms = {"dense": lambda: dense_op(q, pos[:, n - 1:], KVView(k, v, pos, k[:, :, -1:], v[:, :, -1:]), scale)}
         layers = {}
         settings = [(o, tau, 0) for o in args.outliers for tau in args.taus] + [(8, 0.16, r) for r in args.probes]
         for o, tau, r in settings:

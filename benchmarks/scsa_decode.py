@@ -194,7 +194,7 @@ def main():
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = {"model": args.model, "weights": args.weights, "threads": args.threads, "packing": args.packing,
            "dense_read": "fused" if native.available() else "matmul", "scsa_kernel":
-               ("native-avx512" if native.avx512() else "native-avx2") if native.available() else "torch",
+               ("native-avx512" if native.has_avx512() else "native-avx2") if native.available() else "torch",
            "tolerance": args.tolerance, "metric": args.metric, "cpu": cpu_description(), "rows": rows, "sustained": sustained, "prefill_seconds": prefill_s,
            "prefix_from_file": bool(args.cache_file), "dense_attention_form": "avx512" if native.dense_attention_avx512() else "avx2"}
     write_result(args.out, out)

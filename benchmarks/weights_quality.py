@@ -30,7 +30,8 @@ from common import write_result
 from longattn.checkpoint import load_checkpoint
 from longattn.data import book_body, book_names
 from longattn.lab.plots import progress_bar
-from longattn.models import build_model, transformer
+from longattn.models import build_model
+from longattn.ops import linear
 from longattn.models.weights import parse_recipe
 from longattn.lab.stream import nll_bits
 
@@ -67,7 +68,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     results = {"tokens": args.tokens, "models": {}}
-    widen = transformer.WIDEN_ROWS
+    widen = linear.WIDEN_ROWS
     for name in args.models:
         ck = load_checkpoint(name)
         texts = passages(ck.tokenizer, args.tokens, args.passages)
@@ -80,14 +81,14 @@ def main():
             weights, keep = parse_recipe(fmt)
             model = build_model(ck.config, ck.state_dict, weights=weights, keep_int8=keep)
             # "decode": every matmul runs the decode-sized kernels (what a generated token sees)
-            transformer.WIDEN_ROWS = 1 << 30 if arith == "decode" else widen
+            linear.WIDEN_ROWS = 1 << 30 if arith == "decode" else widen
             try:
                 bits = []
                 for _, ids in texts:
                     bits.append(bits_per_token(model, ids))
                     bar.update()
             finally:
-                transformer.WIDEN_ROWS = widen
+                linear.WIDEN_ROWS = widen
             rows[f"{fmt}/{arith}"] = {"format": fmt, "arithmetic": arith, "bits": bits,
                                       "mean_bits": sum(bits) / len(bits)}
             del model

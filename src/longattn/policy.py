@@ -44,8 +44,10 @@ class WindowOp:
         self.masks = masks if masks is not None else MaskMemo()
         self.fused_decode = fused_decode and native.available()
 
-    def __call__(self, q, q_pos, k, v, k_pos, scale, softcap=None, layer=0, cache=None, sink_logits=None):
-        return attend(q, q_pos, k, v, k_pos, self.lp.window, self.lp.sinks, scale, softcap,
+    def __call__(self, q, q_pos, view, scale, softcap=None, sink_logits=None):
+        """``q [B, H, Tq, D]`` at ``q_pos [B, Tq]`` over ``view`` (cache.base.KVView) ->
+        ``[B, H, Tq, D]``."""
+        return attend(q, q_pos, view.k, view.v, view.positions, self.lp.window, self.lp.sinks, scale, softcap,
                       fused=self.fused_decode, banded_min_tokens=self.banded_min_tokens, masks=self.masks,
                       sink_logits=sink_logits)
 
@@ -59,8 +61,9 @@ OP_REGISTRY: dict = {"window": _window_factory}
 
 
 def register_op(kind: str, factory: Callable) -> None:
-    """Add an attention kind: ``factory(lp, policy, layer) -> op`` where ``op(q, q_pos, k, v,
-    k_pos, scale, softcap, layer, cache)`` returns ``[B, H, Tq, D]``."""
+    """Add an attention kind: ``factory(lp, policy, layer) -> op`` where ``op(q, q_pos, view,
+    scale, softcap=None, sink_logits=None)`` (``view`` a cache.base.KVView) returns
+    ``[B, H, Tq, D]``."""
     OP_REGISTRY[kind] = factory
 
 

@@ -15,7 +15,7 @@ from conftest import tiny_formats
 from longattn.errors import LongattnError
 from longattn.models import build_model
 from longattn.models import transformer
-from longattn.ops import int8_kernel
+from longattn.ops import linear, native
 from longattn.models.weights import (INT4_GROUP, dequantize_int4, dequantize_int8, int4_matmul, int8_matmul,
                                      parse_weights, quantize_activations, quantize_int4, quantize_int8)
 from longattn.policy import AttentionPolicy
@@ -68,14 +68,14 @@ def test_aten_int8_kernel_matches_exact_reference(rows):
 
 def test_avx2_int8_kernel_is_built_where_the_cpu_has_avx2():
     """The fast kernel must really run on x86 CI machines, not silently fall back."""
-    if torch.backends.cpu.get_cpu_capability() in int8_kernel.AVX2_CAPABILITIES:
-        assert int8_kernel.available() and int8_kernel.kernel_name() == "longattn-avx2"
+    if torch.backends.cpu.get_cpu_capability() in native.AVX2_CAPABILITIES:
+        assert native.available() and linear.kernel_name() == "longattn-avx2"
         lin = transformer.Linear(16, 8, False)
         lin.weight.data = torch.randn(8, 16)
         lin.to_int8()
         assert lin.kernel == "avx2"
     else:
-        assert not int8_kernel.available()
+        assert not native.available()
 
 
 @pytest.mark.parametrize("rows", [1, 3, 40])
@@ -84,7 +84,7 @@ def test_avx2_int8_kernel_matches_exact_reference(rows, K):
     """float32 activations, int8 weights widened exactly, float32 accumulation in any order,
     one rounding for the row scale: within K float32 roundings of the sum of |terms| plus half
     an ulp of the output, against float64 arithmetic on the same inputs."""
-    assert int8_kernel.available()
+    assert native.available()
     g = torch.Generator().manual_seed(rows * 1000 + K)
     N = 70
     x = torch.randn(rows, K, generator=g)
@@ -96,16 +96,16 @@ def test_avx2_int8_kernel_matches_exact_reference(rows, K):
     assert y.dtype == torch.float32 and y.shape == (rows, N)
     assert torch.all((y.double() - ref).abs() <= bound)
     # a transposed (non-contiguous) activation view gives the same bits
-    assert torch.equal(int8_kernel.int8_gemv(x.T.contiguous().T, q, s), y)
+    assert torch.equal(linear.int8_gemv(x.T.contiguous().T, q, s), y)
 
 
 def test_avx2_int8_kernel_rejects_wrong_dtypes_and_shapes():
-    assert int8_kernel.available()
+    assert native.available()
     q, s = quantize_int8(torch.randn(4, 8))
     with pytest.raises(RuntimeError, match="float32"):
-        int8_kernel.int8_gemv(torch.randn(1, 8, dtype=torch.float64), q, s)
+        linear.int8_gemv(torch.randn(1, 8, dtype=torch.float64), q, s)
     with pytest.raises(RuntimeError, match="shapes"):
-        int8_kernel.int8_gemv(torch.randn(1, 9), q, s)
+        linear.int8_gemv(torch.randn(1, 9), q, s)
 
 
 def test_quantize_int4_layout_and_error_bound():
@@ -153,16 +153,11 @@ def test_int4_kernel_matches_exact_reference(rows, K, wide):
     the same rounded inputs, for the AVX2 form and (where the CPU has AVX-512 VNNI; elsewhere
     the AVX2 form is checked twice) the AVX-512 one. PyTorch's evaluation of the same product
     (the fallback) sums in another order: within K roundings."""
-    from longattn.ops import native
-    assert int8_kernel.available()
-    native.avx512(wide and native.avx512(None))
-    try:
-        _check_int4_kernel(rows, K)
-    finally:
-        native.avx512(None)
+    assert native.available()
+    _check_int4_kernel(rows, K, "avx512" if wide and native.has_avx512() else "avx2")
 
 
-def _check_int4_kernel(rows, K):
+def _check_int4_kernel(rows, K, isa):
     g = torch.Generator().manual_seed(rows * 1000 + K)
     N = 70
     x = torch.randn(rows, K, generator=g) * torch.logspace(-2, 1, K)
@@ -170,7 +165,7 @@ def _check_int4_kernel(rows, K):
     w = torch.randn(N, K, generator=g)
     w[3, :32] = 0.5  # a constant weight group (step 0)
     codes, d, m = quantize_int4(w)
-    y = int4_matmul(x, codes, d, m, kernel="avx2")
+    y = int4_matmul(x, codes, d, m, kernel="avx2", isa=isa)
     xe = quantize_activations(x).double()
     ref = xe @ dequantize_int4(codes, d, m, torch.float64).T
     terms = xe.abs() @ dequantize_int4(codes, d.abs(), m.abs(), torch.float64).T
@@ -179,29 +174,28 @@ def _check_int4_kernel(rows, K):
     assert torch.all((y.double() - ref).abs() <= 2.0 ** -24 * ref.abs() + (G + 10) * 2.0 ** -23 * terms + 1e-30)
     y_torch = int4_matmul(x, codes, d, m, kernel="torch")
     assert torch.all((y_torch.double() - ref).abs() <= 2.0 ** -24 * ref.abs() + K * 2.0 ** -23 * terms + 1e-30)
-    assert torch.equal(torch.ops.longattn_cpu.int4_gemv(x.T.contiguous().T, codes, d, m), y)
+    assert torch.equal(torch.ops.longattn_cpu.int4_gemv(x.T.contiguous().T, codes, d, m, native.isa_code(isa)), y)
 
 
 def test_int4_avx512_form_is_refused_without_the_cpu_features():
     """Forcing the AVX-512 form works exactly where the CPU has AVX-512 VNNI (the exact-reference
-    test above then checks both forms), and is refused with a clear error elsewhere."""
-    from longattn.ops import native
-    has = native.avx512(None)
-    try:
-        if has:
-            assert native.avx512(True) is True and native.avx512(False) is False
-        else:
-            with pytest.raises(RuntimeError, match="lacks AVX-512"):
-                native.avx512(True)
-    finally:
-        native.avx512(None)
-    assert native.avx512(None) is has
+    test above then checks both forms), and is refused with a clear error elsewhere; a bad
+    ``isa`` is refused before any kernel runs."""
+    codes, d, m = quantize_int4(torch.randn(8, 64))
+    x = torch.randn(1, 64)
+    if native.has_avx512():
+        assert int4_matmul(x, codes, d, m, kernel="avx2", isa="avx512").shape == (1, 8)
+    else:
+        with pytest.raises(RuntimeError, match="lacks AVX-512"):
+            int4_matmul(x, codes, d, m, kernel="avx2", isa="avx512")
+    with pytest.raises(ValueError, match="isa"):
+        int4_matmul(x, codes, d, m, kernel="avx2", isa="sse")
 
 
 def test_int4_native_dequantize_is_the_correctly_rounded_weight():
     """The prefill path's weight rows (one fma per value) equal float64's d * u + m rounded to
     float32, bit for bit, for every group of a matrix with constant and zero groups."""
-    assert int8_kernel.available()
+    assert native.available()
     g = torch.Generator().manual_seed(5)
     w = torch.randn(300, 160, generator=g) * torch.logspace(-4, 1, 300)[:, None]
     w[7] = 0.0
@@ -215,7 +209,7 @@ def test_int4_native_dequantize_is_the_correctly_rounded_weight():
 
 
 def test_int4_kernel_rejects_wrong_dtypes_and_shapes():
-    assert int8_kernel.available()
+    assert native.available()
     codes, d, m = quantize_int4(torch.randn(4, 64))
     with pytest.raises(RuntimeError, match="float32"):
         torch.ops.longattn_cpu.int4_gemv(torch.randn(1, 64, dtype=torch.float64), codes, d, m)
@@ -271,7 +265,7 @@ def test_unset_and_wide_window_bit_for_bit_in_each_format(weights, path):
 @pytest.mark.parametrize("weights", FORMATS)
 @pytest.mark.parametrize("family,window,sinks", [("llama", 5, 2), ("gemma3", None, 0), ("qwen2", 4, 1)])
 def test_all_paths_agree_in_each_format(monkeypatch, weights, family, window, sinks):
-    monkeypatch.setattr(transformer, "WIDEN_ROWS", 1 << 30)  # forward uses the decode kernels too
+    monkeypatch.setattr(linear, "WIDEN_ROWS", 1 << 30)  # forward uses the decode kernels too
     m, m64 = tiny(family, weights)
     pol = AttentionPolicy.from_config(m.config) if window is None else \
         AttentionPolicy.build(m.config, "window", window=window, sinks=sinks)
@@ -280,7 +274,7 @@ def test_all_paths_agree_in_each_format(monkeypatch, weights, family, window, si
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_quantized_streams_batched_equal_each_alone(monkeypatch, weights):
-    monkeypatch.setattr(transformer, "WIDEN_ROWS", 1 << 30)
+    monkeypatch.setattr(linear, "WIDEN_ROWS", 1 << 30)
     m, m64 = tiny("llama", weights)
     pol = AttentionPolicy.build(m.config, "window", window=4, sinks=2)
     assert_streams_agree(m, m64, pol, lens=[5, 13], steps=5)
@@ -302,7 +296,7 @@ def test_quantized_weights_cost_what_the_readme_says_on_a_book(monkeypatch):
 
     b = {w: bits(build_model(ck.config, ck.state_dict, weights=w)) for w in ("f32", "int8", "int4")}
     int4 = build_model(ck.config, ck.state_dict, weights="int4")
-    monkeypatch.setattr(transformer, "WIDEN_ROWS", 1 << 30)  # every matmul through the kernels
+    monkeypatch.setattr(linear, "WIDEN_ROWS", 1 << 30)  # every matmul through the kernels
     b["int4-decode"] = bits(int4)
     print("bits/token " + ", ".join(f"{k} {v:.4f}" for k, v in b.items()))
     assert abs(b["int8"] - b["f32"]) <= 0.02
@@ -314,7 +308,7 @@ def test_quantized_weights_cost_what_the_readme_says_on_a_book(monkeypatch):
 def test_prefill_widening_in_blocks_matches_the_float_matrix(monkeypatch, weights):
     """Prefill-sized inputs widen bf16/int8 weights block by block; against float64 on the
     same effective weights the result is within twice the error of one float32 F.linear."""
-    monkeypatch.setattr(transformer, "WIDEN_BLOCK", 16)
+    monkeypatch.setattr(linear, "WIDEN_BLOCK", 16)
     g = torch.Generator().manual_seed(1)
     lin = transformer.Linear(64, 70, bias=True)  # 70 rows: 4 full blocks and a partial one
     lin.weight.data = torch.randn(70, 64, generator=g)
@@ -326,7 +320,7 @@ def test_prefill_widening_in_blocks_matches_the_float_matrix(monkeypatch, weight
         assert lin.codes is not None
     else:
         lin.weight.data = lin.weight.data.to(torch.bfloat16)
-    x = torch.randn(transformer.WIDEN_ROWS + 3, 64, generator=g)
+    x = torch.randn(linear.WIDEN_ROWS + 3, 64, generator=g)
     w = lin.effective_weight()
     ref = x.double() @ w.double().T + lin.bias.double()
     plain = torch.nn.functional.linear(x, w, lin.bias)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
+from longattn.cache.base import KVView
 from longattn.errors import LongattnError
 from longattn.ops.masks import allowed_mask
 from longattn.policy import AttentionPolicy
@@ -158,11 +159,11 @@ def test_mask_memo_sees_positions_rewritten_in_place():
     q, k, v = (torch.randn(1, 2, n, 8, generator=g) for n in (1, 10, 10))
     q_pos, k_pos = torch.tensor([[9]]), torch.arange(10)[None]
     op = WindowOp(LayerPolicy("window", 4, 1), fused_decode=False)  # the masked (memo) path
-    before = op(q, q_pos, k, v, k_pos, scale=0.35)
+    before = op(q, q_pos, KVView(k, v, k_pos, k, v), scale=0.35)
     q_pos.add_(1)
     k_pos.add_(1)
-    after = op(q, q_pos, k, v, k_pos, scale=0.35)
+    after = op(q, q_pos, KVView(k, v, k_pos, k, v), scale=0.35)
     assert op.masks.misses == 2 and op.masks.hits == 0
-    assert torch.equal(after, WindowOp(op.lp, fused_decode=False)(q, q_pos, k, v, k_pos, scale=0.35))
+    assert torch.equal(after, WindowOp(op.lp, fused_decode=False)(q, q_pos, KVView(k, v, k_pos, k, v), scale=0.35))
     assert not torch.equal(after, before)
-    assert torch.equal(op(q, q_pos, k, v, k_pos.clone(), scale=0.35), after) and op.masks.hits == 1
+    assert torch.equal(op(q, q_pos, KVView(k, v, k_pos.clone(), k, v), scale=0.35), after) and op.masks.hits == 1

@@ -28,14 +28,15 @@ def case(B, H, Hkv, S, D, seed, empty=0.2):
     return q, k, v, k_pos, q_pos, k_new, v_new
 
 
-def check(q, k, v, k_pos, q_pos, k_new, v_new, window, sinks):
+def check(q, k, v, k_pos, q_pos, k_new, v_new, window, sinks, isa=None):
     D = q.shape[-1]
     scale = D ** -0.5
     mask = allowed_mask(q_pos, k_pos, window, sinks)
     args64 = [t.double() for t in (q, k, v)] + [mask, k_new.double(), v_new.double(), q_pos >= 0, scale]
     ref = attend_buffer_and_self(*args64)
     plain = attend_buffer_and_self(q, k, v, mask, k_new, v_new, q_pos >= 0, scale)
-    out = torch.ops.longattn_cpu.decode_attention(q, k, v, k_pos, q_pos, k_new, v_new, window or 0, sinks, scale)
+    out = torch.ops.longattn_cpu.decode_attention(q, k, v, k_pos, q_pos, k_new, v_new, window or 0, sinks, scale,
+                                                  isa=native.isa_code(isa))
     assert out.shape == q.shape and out.dtype == torch.float32
     vmax = max(v.abs().max().item(), v_new.abs().max().item())
     assert_within_derived(out, plain, ref, floor=ulps(2, vmax))  # the exp polynomial's 2 ulp
@@ -104,37 +105,32 @@ def test_avx512_form_equals_the_avx2_form(B, H, Hkv, S, D, window, sinks):
     order per element, so both forms give the same bits (grouped heads 1..13 per KV head: passes
     of up to six heads, 9 -> 4 + 5, 13 -> 4 + 4 + 5; row counts off a multiple of 8 and of 32;
     threads splitting the slots). A CPU without AVX-512 refuses the forced form instead."""
-    if not native.avx512(None):
+    if not native.has_avx512():
         with pytest.raises(RuntimeError, match="lacks AVX-512"):
-            native.avx512(True)
-        assert native.avx512(None) is False
+            check(*case(B, H, Hkv, S, D, 0), window, sinks, isa="avx512")
         return
     old = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         for seed in range(2):
             args = case(B, H, Hkv, S, D, seed)
-            outs = []
-            for wide in (False, True):
-                assert native.avx512(wide) is wide
-                outs.append(check(*args, window, sinks))
+            outs = [check(*args, window, sinks, isa=isa) for isa in ("avx2", "avx512")]
             assert torch.equal(outs[0], outs[1])
     finally:
-        native.avx512(None)
         torch.set_num_threads(old)
 
 
 def test_automatic_form_keeps_the_avx2_loops_on_amd():
-    """Forcing a form applies to the dense attention too; left automatic it takes the AVX-512
-    loops only on an AVX-512 CPU that is not AMD (they are slower on Zen 4; docs/benchmarks.md),
-    while SCSA's and the int4 GEMV's automatic forms stay AVX-512 wherever the CPU has it."""
-    has = native.avx512(None)
+    """A forced form applies to the dense attention too; left automatic it takes the AVX-512
+    loops only on an AVX-512 CPU that is not AMD (they are slower on Zen 4; docs/benchmarks.md).
+    The form is an argument of each call: asking for one changes no other call's."""
+    has = native.has_avx512()
     vendor = next((ln.split(":")[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("vendor_id")), "")
-    try:
-        assert native.dense_attention_avx512() is (has and vendor != "AuthenticAMD")
-        assert native.avx512(False) is False and native.dense_attention_avx512() is False
-        if has:
-            assert native.avx512(True) is True and native.dense_attention_avx512() is True
-    finally:
-        native.avx512(None)
-    assert native.avx512(None) is has
+    assert native.dense_attention_avx512() is (has and vendor != "AuthenticAMD")
+    assert native.dense_attention_avx512("avx2") is False
+    if has:
+        assert native.dense_attention_avx512("avx512") is True
+    else:
+        with pytest.raises(RuntimeError, match="lacks AVX-512"):
+            native.dense_attention_avx512("avx512")
+    assert native.dense_attention_avx512() is (has and vendor != "AuthenticAMD")

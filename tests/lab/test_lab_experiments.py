@@ -146,11 +146,11 @@ class _Probe:
     def __init__(self, op, first):
         self.op, self.first, self.mass = op, first, None
 
-    def __call__(self, q, q_pos, k, v, k_pos, **kw):
-        ind = (k_pos < self.first) & (k_pos >= 0)  # [B, S]
-        ind = ind[:, None, :, None].to(v.dtype).expand(v.shape).contiguous()  # [B, Hkv, S, D]
-        self.mass = self.op(q, q_pos, k, ind, k_pos, **kw)[..., 0]  # [B, H, Tq]
-        return self.op(q, q_pos, k, v, k_pos, **kw)
+    def __call__(self, q, q_pos, view, **kw):
+        ind = (view.positions < self.first) & (view.positions >= 0)  # [B, S]
+        ind = ind[:, None, :, None].to(view.v.dtype).expand(view.v.shape).contiguous()  # [B, Hkv, S, D]
+        self.mass = self.op(q, q_pos, view._replace(v=ind), **kw)[..., 0]  # [B, H, Tq]
+        return self.op(q, q_pos, view, **kw)
 
 
 @pytest.mark.parametrize("family,mode", [("llama", "checkpoint"), ("gemma3", "checkpoint"), ("llama", "window")])

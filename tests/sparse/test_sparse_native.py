@@ -246,22 +246,17 @@ def test_avx512_form_equals_the_avx2_form(H, HKV, D, cluster_size, probe, outlie
     every row over 8 dimensions or all of them) and the exact rows' and tails' values where the
     head dim is a multiple of 64 (64 and 256 here: heads in passes of 4, so 7 = 4 + 3; with and
     without outliers among the exact rows). A CPU without AVX-512 refuses the forced form instead."""
-    if not native.avx512(None):
-        with pytest.raises(RuntimeError, match="lacks AVX-512"):
-            native.avx512(True)
-        assert native.avx512(None) is False
-        return
     qs, k, v, scale = attn_case(900, H, HKV, D, seed=11, queries=3, query_seed=12, centers=12)
+    cfg = dict(tau_default=0.03, cluster_size=cluster_size, probe_dims=probe, outliers=outliers)
+    if not native.has_avx512():
+        with pytest.raises(RuntimeError, match="lacks AVX-512"):
+            SCSALayer(small_cfg(**cfg, isa="avx512"), H, HKV, D).attend(qs[0], k, v, scale)
+        return
     results = []
-    try:
-        for wide in (False, True):
-            assert native.avx512(wide) is wide
-            layer = SCSALayer(small_cfg(tau_default=0.03, cluster_size=cluster_size, probe_dims=probe,
-                                         outliers=outliers), H, HKV, D)
-            outs = [layer.attend(q, k, v, scale) for q in qs]
-            results.append((outs, layer._last[-1][1].opened, dict(layer.counters)))
-    finally:
-        native.avx512(None)
+    for isa in ("avx2", "avx512"):
+        layer = SCSALayer(small_cfg(**cfg, isa=isa), H, HKV, D)
+        outs = [layer.attend(q, k, v, scale) for q in qs]
+        results.append((outs, layer._last[-1][1].opened, dict(layer.counters)))
     (a, sa, ca), (b, sb, cb) = results
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert torch.equal(sa, sb) and ca == cb

@@ -1,9 +1,8 @@
 """The cache interface the model talks to, and the plain growing cache.
 
-``KVCache.update(layer, k, v, pos)`` stores this step's keys/values and returns what the
-attention op may look at: ``(k_all [B, Hkv, S, D], v_all, k_pos [B, S])`` where ``k_pos``
-holds each slot's absolute position (negative = empty slot, never read). The model never
-knows which layer cache it talks to; the mask built from positions does the rest.
+``KVCache.update(layer, k, v, pos)`` stores this step's keys/values and returns a ``KVView``:
+what the layer's attention op may read. The model hands the view to the op and never knows
+which layer cache it talks to; the mask built from positions does the rest.
 
 A new layer cache is one class with ``update`` / ``nbytes`` / ``positions`` plus a
 ``register_layer_cache`` entry.
@@ -11,9 +10,34 @@ A new layer cache is one class with ``update`` / ``nbytes`` / ``positions`` plus
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
+
+
+class KVView(NamedTuple):
+    """What one layer's attention op reads after ``KVCache.update``.
+
+    k, v: ``[B, Hkv, S, D]`` slots (or ``ops.attention.PagedRows``: a paged pool read in place).
+    positions: ``[B, S]`` int64 absolute position of each slot (negative = empty, never read).
+    new_k, new_v: ``[B, Hkv, T, D]`` this call's keys and values. The growing, ring and paged
+        caches have stored them in ``k, v`` already; the static step's buffers have not (it
+        writes them after the step), and its ops read them from here.
+    cached: False when no cache holds the keys (a one-shot forward): an op keeps no state for
+        a stream that will not continue.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    new_k: torch.Tensor
+    new_v: torch.Tensor
+    cached: bool = True
+
+    @classmethod
+    def uncached(cls, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> "KVView":
+        """The view of a forward without a cache: the call's own keys, nothing kept."""
+        return cls(k, v, pos, k, v, False)
 
 
 class LayerCache:
@@ -116,8 +140,11 @@ class KVCache:
             GrowingLayerCache(batch, cfg.num_kv_heads, cfg.head_dim, dtype) for _ in range(cfg.num_layers)]
         self.next_pos = torch.zeros(batch, dtype=torch.int64)
 
-    def update(self, layer: int, k, v, pos):
-        return self.layers[layer].update(k, v, pos)
+    def update(self, layer: int, k, v, pos) -> KVView:
+        """Store ``k, v [B, Hkv, T, D]`` at positions ``pos [B, T]`` in layer ``layer``; return
+        what that layer's attention reads."""
+        k_all, v_all, k_pos = self.layers[layer].update(k, v, pos)
+        return KVView(k_all, v_all, k_pos, k, v)
 
     def advance(self, pos: torch.Tensor) -> None:
         """Record that positions ``pos [B, T]`` have been stored (called once per forward)."""

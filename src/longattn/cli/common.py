@@ -38,6 +38,9 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str = "smollm2-135
                         "quantizes activations to int8 per block of 32); int4+int8:embed keeps the "
                         "matrices whose module name contains 'embed' (the embedding table and tied "
                         "head) in int8 (fragments separated by commas)")
+    p.add_argument("--reference", action="store_true",
+                   help="run PyTorch's ops instead of longattn's native kernels everywhere (the reference "
+                        "the kernels are tested against; the same as LONGATTN_NATIVE=off)")
     # the first releases spelled it --dtype float32|bfloat16
     p.add_argument("--dtype", dest="weights", help=argparse.SUPPRESS,
                    type=lambda v: {"float32": "f32", "bfloat16": "bf16"}.get(v, v))
@@ -228,6 +231,9 @@ def fail(message: str, code: int = 2) -> int:
 
 def run_guarded(fn, args) -> int:
     """Run a command; a LongattnError (or bad file) becomes one line on stderr and exit 2."""
+    if getattr(args, "reference", False):
+        from ..ops import native
+        native.use_reference()
     try:
         return fn(args) or 0
     except LongattnError as e:

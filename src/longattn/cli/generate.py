@@ -129,13 +129,14 @@ def run(args) -> int:
     if not args.json:
         streamer.finish()
     taus.finish()
+    from ..ops import native
     n = res.new_tokens
     tps = n / res.decode_seconds if res.decode_seconds > 0 else float("nan")
     pps = res.prompt_tokens / res.prefill_seconds if res.prefill_seconds > 0 else float("nan")
     summary = {"model": ck.name, "prompt_tokens": res.prompt_tokens, "new_tokens": n,
                "prefill_tok_s": round(pps, 2), "decode_tok_s": round(tps, 2),
                "cache_bytes": res.cache_bytes, "threads": args.threads, "weights": model.weights,
-               "compiled": bool(args.compile), "load_s": round(load_s, 3),
+               "kernels": "native" if native.available() else "reference", "compiled": bool(args.compile), "load_s": round(load_s, 3),
                "prefill_s": round(res.prefill_seconds, 3), "decode_s": round(res.decode_seconds, 3),
                "first_token_after_start_s": round(token_times[0], 2) if token_times else None,
                "peak_rss_bytes": peak_rss_bytes(), **taus.report(),

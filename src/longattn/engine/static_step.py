@@ -33,6 +33,7 @@ from typing import Optional
 
 import torch
 
+from ..cache.base import KVView
 from ..cache.ring import ring_slot
 from ..errors import LongattnError
 from ..ops import native
@@ -94,14 +95,15 @@ class StaticKV:
         slot = pos.clamp(min=0) if ring is None else ring_slot(pos.clamp(min=0), *ring)
         return torch.where(pos < 0, torch.full_like(slot, cap), slot)
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> KVView:
         """Hold the step's ``k, v [B, Hkv, 1, D]`` aside (``pending``) and return the buffers
-        as they were: the step attends over them plus its own key (see _StaticOp), and
-        ``write`` stores the new keys after the step. Writing inside a compiled graph would
-        make inductor copy every whole buffer on every step (functionalized scatter)."""
+        as they were, with the new keys beside them in the view: the step attends over both
+        (see _StaticOp), and ``write`` stores the new keys after the step. Writing inside a
+        compiled graph would make inductor copy every whole buffer on every step
+        (functionalized scatter)."""
         self.pending[layer] = (k, v)
         g, i = self.group_of[layer]
-        return self.kg[g][i], self.vg[g][i], self.posg[g]
+        return KVView(self.kg[g][i], self.vg[g][i], self.posg[g], k, v)
 
     def stacked_pending(self) -> list:
         """Per group, the step's new keys and values stacked: ``([L_g, B, Hkv, 1, D], same)``."""
@@ -168,10 +170,9 @@ class _StaticOp:
     def __init__(self, window: Optional[int], sinks: int, kernel: str = "fused"):
         self.window, self.sinks, self.kernel = window, sinks, static_kernel(kernel)
 
-    def __call__(self, q, q_pos, k, v, k_pos, scale, softcap=None, layer=0, cache=None, sink_logits=None):
-        k_new, v_new = cache.pending[layer]
-        return attend_buffer_and_new(q, q_pos, k, v, k_pos, k_new, v_new, self.window, self.sinks,
-                                     scale, softcap, self.kernel, sink_logits)
+    def __call__(self, q, q_pos, view, scale, softcap=None, sink_logits=None):
+        return attend_buffer_and_new(q, q_pos, view.k, view.v, view.positions, view.new_k, view.new_v,
+                                     self.window, self.sinks, scale, softcap, self.kernel, sink_logits)
 
 
 class _StaticPolicy:

@@ -68,8 +68,8 @@ def longattn_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
             raise LongattnError(f"attention op {type(op).__name__} has no term for this model's learned sink "
                                 "logits (gpt-oss); use a window, sink or dense policy")
         extra["sink_logits"] = kwargs["s_aux"].detach()
-    out = op(query, q_pos, key, value, layer.k_pos, scale=scaling, softcap=softcap,
-             layer=i, cache=cache.kv, **extra)  # [B, H, T, D]
+    view = layer.view._replace(k=key, v=value)  # the tensors transformers handed back (the same)
+    out = op(query, q_pos, view, scale=scaling, softcap=softcap, **extra)  # [B, H, T, D]
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -50,6 +50,7 @@ class LongattnLayer(CacheLayerMixin):
         self.seen = 0  # tokens stored so far: the next token's position
         self.q_pos: Optional[torch.Tensor] = None
         self.k_pos: Optional[torch.Tensor] = None
+        self.view = None  # the KVView of the last update (what the layer's attention op reads)
 
     @property
     def inner(self):
@@ -80,10 +81,10 @@ class LongattnLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         B, _, T, _ = key_states.shape
         pos = (self.seen + torch.arange(T, dtype=torch.int64)).expand(B, T)  # [B, T]
-        k, v, k_pos = self.inner.update(key_states, value_states, pos)
+        self.view = self.owner.kv.update(self.index, key_states, value_states, pos)
         self.seen += T
-        self.q_pos, self.k_pos = pos, k_pos
-        return k, v
+        self.q_pos, self.k_pos = pos, self.view.positions
+        return self.view.k, self.view.v
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -103,7 +104,7 @@ class LongattnLayer(CacheLayerMixin):
         if getattr(op, "scsa", None) is not None:
             op.scsa = None  # a sparse layer's index describes the stream being dropped
         self.seen = 0
-        self.q_pos = self.k_pos = None
+        self.q_pos = self.k_pos = self.view = None
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:

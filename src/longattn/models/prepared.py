@@ -14,7 +14,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import LongattnError
-from ..ops import int8_kernel
+from ..ops import native
 from .transformer import Transformer, _quantize, set_rope_tables
 from .weights import parse_recipe, recipe_name
 
@@ -36,7 +36,7 @@ def from_prepared(cfg: ModelConfig, state: dict, recipe: str) -> Transformer:
     fmt, keep = parse_recipe(recipe)
     if fmt not in PREPARED_FORMATS:
         raise LongattnError(f"{fmt} weights are read from the checkpoint, not prepared")
-    int8_kernel.available()  # builds or loads the kernel outside the meta-device block below
+    native.available()  # builds or loads the kernels outside the meta-device block below
     # Only factory calls run on the meta device: any arithmetic there would go through
     # torch's Python decompositions and import torch._dynamo (~0.7 s of every start).
     with torch.device("meta"):

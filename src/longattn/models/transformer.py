@@ -1,7 +1,8 @@
 """A decoder-only transformer for the llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3 and gpt_oss families.
 
 The model never knows which cache or attention policy it runs with: each attention layer
-calls ``cache.update`` (when a cache is given) and the per-layer op the policy hands it.
+calls ``cache.update`` (when a cache is given) and hands the ``KVView`` it returns to the
+per-layer op the policy hands it.
 Shapes: hidden states ``[B, T, hidden]``; q/k/v ``[B, heads, T, head_dim]``; positions
 ``[B, T]`` int64 absolute indices (negative = padding).
 """
@@ -13,9 +14,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..cache.base import KVView
 from ..config import ModelConfig
 from ..errors import LongattnError
-from ..ops import int8_kernel
+from ..ops.linear import float_linear, gemv_kernel, prefill_sized, widened_linear
 from .rope import SEQ_DEPENDENT, apply_rope, inv_freq, rope_cos_sin, rope_frequencies
 from .weights import (INT4_GROUP, dequantize_int4, dequantize_int8, int4_applies, int4_matmul, int8_matmul,
                       parse_weights, quantize_int4, quantize_int8, recipe_name)
@@ -34,44 +36,6 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         w = self.weight.to(xf.dtype)
         return (xf * ((1.0 + w) if self.plus_one else w)).to(x.dtype)
-
-
-# With this many rows or more, a bf16 weight is widened to float32 for the matmul: CPUs without
-# bf16 GEMM units run bf16 prefill far slower than float32, while widening costs one pass over
-# the weight. Decode (few rows) stays in bf16, where reading half the bytes is the gain.
-WIDEN_ROWS = 32
-
-
-# Widening happens WIDEN_BLOCK output rows at a time: a whole widened matrix would be a fresh
-# allocation of up to hundreds of MB per call, whose page faults cost more than the matmul; a
-# block-sized temporary is reused.
-WIDEN_BLOCK = 1024
-
-
-def widened_linear(x: torch.Tensor, n_out: int, widen, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [..., K] @ W^T + b`` in x's dtype, where ``widen(i, j)`` returns rows ``i:j`` of W
-    as a ``[j - i, K]`` tensor in x's dtype (a slice converted from bf16 or int8)."""
-    if n_out <= WIDEN_BLOCK:
-        return F.linear(x, widen(0, n_out), None if b is None else b.to(x.dtype))
-    parts = [F.linear(x, widen(i, min(n_out, i + WIDEN_BLOCK)))
-             for i in range(0, n_out, WIDEN_BLOCK)]
-    y = torch.cat(parts, dim=-1)
-    return y if b is None else y + b.to(x.dtype)
-
-
-def prefill_sized(x: torch.Tensor) -> bool:
-    """``x [..., K]`` has WIDEN_ROWS rows or more: widen the weight, run a float GEMM."""
-    return x.numel() // x.shape[-1] >= WIDEN_ROWS
-
-
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear in the weight's dtype (bf16 weights read half the bytes), result in x's dtype."""
-    if w.dtype != x.dtype:
-        if prefill_sized(x):
-            return widened_linear(x, w.shape[0], lambda i, j: w[i:j].to(x.dtype), b)
-        y = F.linear(x.to(w.dtype), w, None if b is None else b.to(w.dtype))
-        return y.to(x.dtype)
-    return F.linear(x, w, b)
 
 
 class Linear(nn.Module):
@@ -102,7 +66,7 @@ class Linear(nn.Module):
         self.codes = codes
         self.register_buffer("steps", steps)  # float16 [N, K/32]
         self.register_buffer("offsets", offsets)  # float16 [N, K/32]
-        self.kernel = "avx2" if int8_kernel.available() else "torch"  # see to_int8
+        self.kernel = gemv_kernel("int4")  # see to_int8
 
     def to_int8(self, structure_only: bool = False) -> None:
         """Per-row int8; ``structure_only`` as in to_int4."""
@@ -119,7 +83,7 @@ class Linear(nn.Module):
         self.register_buffer("scales_bf16", scales_bf16)
         # Chosen (and the kernel built) here, not in forward: a plain string is a constant
         # to torch.compile, and a first-call build must not happen inside a trace.
-        self.kernel = "avx2" if int8_kernel.available() else "aten"
+        self.kernel = gemv_kernel("int8")
 
     def effective_weight(self, dtype=torch.float32, rows: slice = slice(None)) -> torch.Tensor:
         """``[N, K]`` (or the ``rows`` of it): the matrix this layer multiplies by, in ``dtype``."""
@@ -131,7 +95,7 @@ class Linear(nn.Module):
 
     def forward(self, x):
         if self.qweight is None and self.codes is None:
-            return _linear(x, self.weight, self.bias)
+            return float_linear(x, self.weight, self.bias)
         if prefill_sized(x):  # dequantize blocks, float GEMM on float activations
             n_out = (self.codes if self.codes is not None else self.qweight).shape[0]
             return widened_linear(x, n_out, lambda i, j: self.effective_weight(x.dtype, slice(i, j)), self.bias)
@@ -320,20 +284,15 @@ class Attention(nn.Module):
                 rope_cache[self.rope_key] = (cos, sin)
         q = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype))
         k = apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
-        if cache is not None:
-            k_all, v_all, k_pos = cache.update(self.layer, k, v, pos)
-        else:
-            k_all, v_all, k_pos = k, v, pos
+        view = cache.update(self.layer, k, v, pos) if cache is not None else KVView.uncached(k, v, pos)
         if self.sinks is None:
-            o = op(q, pos, k_all, v_all, k_pos, scale=self.scale, softcap=self.softcap,
-                   layer=self.layer, cache=cache)  # [B, H, T, D]
+            o = op(q, pos, view, scale=self.scale, softcap=self.softcap)  # [B, H, T, D]
         else:
             if not getattr(op, "learned_sinks", False):
                 raise LongattnError(f"attention op {type(op).__name__} has no term for this model's learned "
                                     "sink logits (gpt-oss); run it with a window, checkpoint or dense policy "
                                     "in the eager engine")
-            o = op(q, pos, k_all, v_all, k_pos, scale=self.scale, softcap=self.softcap,
-                   layer=self.layer, cache=cache, sink_logits=self.sinks)
+            o = op(q, pos, view, scale=self.scale, softcap=self.softcap, sink_logits=self.sinks)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.H * self.D))
 
 
@@ -395,7 +354,7 @@ class Transformer(nn.Module):
             return self.lm_head(x)
         if self._tied_head is not None:
             return self._tied_head(x)
-        return _linear(x, self.model.embed_tokens.weight)
+        return float_linear(x, self.model.embed_tokens.weight)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, pos: torch.Tensor | None = None, cache=None, policy=None,

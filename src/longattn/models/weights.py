@@ -3,10 +3,10 @@
 
 ``int8`` stores every 2-D weight (projections, embedding table, output head) as int8 rows with
 one float32 scale per row (symmetric, scale = max|row| / 127). Decode-sized matmuls (< WIDEN_ROWS
-rows) run longattn's AVX2 kernel on float32 activations (ops/int8_kernel.py; PyTorch's
+rows) run longattn's AVX2 kernel on float32 activations (ops/linear.py picks it; PyTorch's
 ``aten._weight_int8pack_mm`` on bf16 activations where it cannot run): a step reads a quarter of
 the float32 bytes. Prefill-sized matmuls dequantize the weight to float32 once per
-call (this CPU has no fast int8 or bf16 GEMM for many rows; see WIDEN_ROWS in transformer.py).
+call (this CPU has no fast int8 or bf16 GEMM for many rows; see WIDEN_ROWS in ops/linear.py).
 
 Per-row quantization commutes with concatenating rows, so the fused q/k/v and gate/up matrices
 hold exactly the values that quantizing each part would give: ``effective_state_dict`` uses that
@@ -28,11 +28,10 @@ from __future__ import annotations
 import torch
 
 from ..errors import LongattnError
-from ..ops import native
-from ..ops.int8_kernel import int8_gemv
+from ..ops.linear import (INT4_GROUP, dequantize_int4, dequantize_int8, int4_matmul,  # noqa: F401
+                          int8_matmul, quantize_activations)
 
 WEIGHT_FORMATS = ("f32", "bf16", "int8", "int4")
-INT4_GROUP = 32  # weights per int4 group (and activations per int8 block in its kernel)
 # names accepted on the command line and in the API (the --dtype spellings included)
 _ALIASES = {"f32": "f32", "float32": "f32", "fp32": "f32", "bf16": "bf16", "bfloat16": "bf16",
             "int8": "int8", "q8": "int8", "int4": "int4", "q4": "int4"}
@@ -60,27 +59,8 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scales.contiguous()
 
 
-def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """``q [N, K]`` int8, ``scales [N]`` -> ``[N, K]`` in ``dtype`` (the weight int8 stands for)."""
-    return (q.to(dtype) * scales.to(dtype)[:, None])
 
 
-def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, scales_bf16: torch.Tensor,
-                kernel: str = "aten") -> torch.Tensor:
-    """``x [..., K]`` -> ``x @ (q * scales)^T`` as ``[..., N]`` in x's dtype.
-
-    kernel "avx2" (float32 x only): longattn's kernel, float32 arithmetic on unrounded
-    activations (ops/int8_kernel.py). kernel "aten": ``aten._weight_int8pack_mm``, fast only
-    with bf16 activations, so x and the scales are rounded to bf16 exactly as the bf16 weight
-    path does.
-    """
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if kernel == "avx2" and x.dtype == torch.float32:
-        y = int8_gemv(x2, q, scales)
-    else:
-        y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), q, scales_bf16)
-    return y.reshape(*shape[:-1], q.shape[0]).to(x.dtype)
 
 
 def parse_recipe(spec: str) -> tuple[str, tuple]:
@@ -133,43 +113,10 @@ def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return codes.contiguous(), d.contiguous(), m.contiguous()
 
 
-def dequantize_int4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """``codes [N, K/2]``, ``d, m [N, K/32]`` -> ``[N, K]`` in ``dtype``: ``d * u + m`` rounded once
-    (float64 holds it exactly). float32 runs the native kernel where it is built (one fma per
-    value, the same bits, in one pass instead of several PyTorch ops)."""
-    if dtype == torch.float32 and native.available():
-        return torch.ops.longattn_cpu.int4_dequantize(codes, d, m)
-    N = codes.shape[0]
-    c = codes.reshape(N, -1, INT4_GROUP // 2)
-    u = torch.cat([c & 15, c >> 4], dim=-1).double()
-    return (u * d.double()[..., None] + m.double()[..., None]).reshape(N, -1).to(dtype)
 
 
-def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """What the int4 kernel multiplies by: ``x [..., K]`` rounded to int8 per block of 32 with one
-    step ``max|x| / 127`` per block, returned dequantized in x's dtype (for float32 x these are
-    the kernel's own values, bit for bit)."""
-    xb = x.reshape(*x.shape[:-1], -1, INT4_GROUP)
-    step = xb.abs().amax(-1, keepdim=True) / 127
-    safe = torch.where(step > 0, step, torch.ones_like(step))
-    xq = torch.round(xb / safe).clamp_(-127, 127)
-    return (xq * step).reshape(x.shape)
 
 
-def int4_matmul(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
-                kernel: str = "torch") -> torch.Tensor:
-    """``x [..., K]`` -> ``quantize_activations(x) @ dequantize_int4(codes, d, m)^T`` as ``[..., N]``.
-
-    kernel "avx2" (float32 x only): longattn's kernel. Otherwise PyTorch evaluates the same
-    product in x's dtype (the fallback where the kernel cannot run).
-    """
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if kernel == "avx2" and x.dtype == torch.float32:
-        y = torch.ops.longattn_cpu.int4_gemv(x2, codes, d, m)
-    else:
-        y = quantize_activations(x2) @ dequantize_int4(codes, d, m, x.dtype).T
-    return y.reshape(*shape[:-1], codes.shape[0])
 
 
 def effective_state_dict(state_dict: dict, weights: str) -> dict:

@@ -6,15 +6,15 @@ the first time; see build.py for how a killed or stuck build is survived) under
 ``$LONGATTN_CACHE/kernels/native-torch<version>-<hash of csrc/>``, loaded directly after;
 editing a source or header makes a new build directory, so a stale build never loads.
 Where it cannot be used (no AVX2, no compiler, or ``LONGATTN_NATIVE=off``) ``available()`` is
-False and every caller has a PyTorch path (see int8_kernel.py, engine/static_step.py).
+False and every caller has a PyTorch path (see linear.py, attention.py).
 
 Ops (namespace ``longattn_cpu``): ``int8_gemv`` (csrc/int8_gemv.cpp), ``int4_gemv``
 (csrc/int4_gemv.cpp),
 ``decode_attention`` (csrc/decode_attention.cpp) and ``scsa_decode`` (csrc/scsa_decode.cpp, the
-sparse decode call of longattn.sparse; eager only, so it needs no fake), and ``avx512``
-(csrc/cpu_features.*), which chooses between the AVX2 and AVX-512 forms of the kernels that have
-both (see ``avx512()`` below). The build targets AVX2; the AVX-512 functions are compiled for
-that target alone (``#pragma GCC target`` regions) and run only where the CPU reports the features.
+sparse decode call of longattn.sparse; eager only, so it needs no fake). The build targets
+AVX2; the AVX-512 functions are compiled for that target alone (``#pragma GCC target`` regions)
+and run only where the CPU reports the features. The kernels that have both forms take an
+``isa`` argument (``isa_code`` below); nothing about it is process-wide.
 """
 
 from __future__ import annotations
@@ -39,6 +39,14 @@ _state: dict = {}
 def _disabled() -> bool:
     """``LONGATTN_NATIVE=off``: the one process-wide switch to the PyTorch reference ops."""
     return os.environ.get("LONGATTN_NATIVE", "").lower() == "off"
+
+
+def use_reference() -> None:
+    """Run PyTorch's reference ops instead of the native kernels for the rest of this process
+    and the processes it starts (sets ``LONGATTN_NATIVE=off``; the CLI's ``--reference``). Call
+    it before a model is built: a layer picks its kernel when it is made."""
+    os.environ["LONGATTN_NATIVE"] = "off"
+    _state["ok"] = False
 
 
 def kernel_spec() -> ExtensionSpec:
@@ -81,7 +89,7 @@ def _build() -> bool:
         return x.new_empty(x.shape[0], q.shape[0])
 
     @torch.library.register_fake("longattn_cpu::int4_gemv")
-    def _(x, codes, d, m):
+    def _(x, codes, d, m, isa=-1):
         return x.new_empty(x.shape[0], codes.shape[0])
 
     @torch.library.register_fake("longattn_cpu::int4_dequantize")
@@ -90,7 +98,7 @@ def _build() -> bool:
 
     @torch.library.register_fake("longattn_cpu::decode_attention")
     def _(q, k, v, k_pos, q_pos, k_new, v_new, window, sinks, scale, sink_logits=None, block_table=None,
-          block_size=0):
+          block_size=0, isa=-1):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
     return True
 
@@ -102,24 +110,30 @@ def available() -> bool:
     return _state["ok"]
 
 
-def avx512(want: bool | None = None) -> bool:
-    """Which form the kernels that have two take (SCSA's opened-row phase, the dense fused
-    decode attention's row loops, int4_gemv's row dots): ``want`` None = automatic, True /
-    False to force one for all three (True raises RuntimeError on a CPU without AVX-512).
-    Automatic: SCSA and the int4 GEMV take their AVX-512 forms where the CPU has AVX-512
-    F/BW/VL/DQ/VNNI; the dense attention takes its AVX-512 loops there too except on AMD CPUs,
-    whose 512-bit units split each operation in two, so the AVX2 loops are faster there (``dense_attention_avx512`` says which is
-    in use). Returns True when SCSA's and the GEMV's AVX-512 forms are in use.
-    SCSA's and the dense attention's two forms give bit-identical outputs; the int4 GEMV's
-    differ in the last bits (other float lanes), both within the bound the tests derive.
-    The switch exists for tests and benchmarks."""
-    if not available():
-        return False
-    code = -1 if want is None else int(bool(want))
-    return bool(torch.ops.longattn_cpu.avx512(code))
+ISAS = {None: -1, "auto": -1, "avx2": 0, "avx512": 1}
 
 
-def dense_attention_avx512() -> bool:
-    """True when the dense fused decode attention takes its AVX-512 loops in the current mode
-    (see ``avx512``)."""
-    return available() and bool(torch.ops.longattn_cpu.avx512_dense_attention())
+def isa_code(isa: str | None = None) -> int:
+    """The ``isa`` argument of the kernels with an AVX2 and an AVX-512 form (SCSA's opened-row
+    phase, the dense fused decode attention's row loops, the int4 GEMV's row dots): None or
+    "auto" = -1 (each kernel's automatic choice), "avx2" = 0, "avx512" = 1 (the kernel raises
+    RuntimeError on a CPU without AVX-512 F/BW/VL/DQ/VNNI).
+
+    Automatic: SCSA and the int4 GEMV take their AVX-512 forms where the CPU has them; the dense
+    attention too, except on AMD CPUs, whose 512-bit units split each operation in two, so the
+    AVX2 loops are faster there. SCSA's and the dense attention's two forms give bit-identical
+    outputs; the int4 GEMV's differ in the last bits (other float lanes), both within the bound
+    the tests derive. Forcing a form is for tests and benchmarks."""
+    if isa not in ISAS:
+        raise ValueError(f"isa is one of {', '.join(k for k in ISAS if k)} or None, got {isa!r}")
+    return ISAS[isa]
+
+
+def has_avx512() -> bool:
+    """True when the kernels are built and the CPU runs their AVX-512 forms."""
+    return available() and bool(torch.ops.longattn_cpu.cpu_avx512())
+
+
+def dense_attention_avx512(isa: str | None = None) -> bool:
+    """True when the dense fused decode attention takes its AVX-512 loops under ``isa``."""
+    return available() and bool(torch.ops.longattn_cpu.avx512_dense_attention(isa_code(isa)))

@@ -7,8 +7,10 @@ clear line (LongattnError) so a bad setting never reaches the decode loop.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from ..errors import LongattnError
+from ..ops import native
 
 PACKINGS = ("q8_0", "f16", "f32")
 MAX_RANK = 8
@@ -63,6 +65,8 @@ class SCSAConfig:
         native: run flat q8_0 calls after calibration through the C++ kernel
             (``longattn_cpu::scsa_decode``) where it is built; False keeps the PyTorch ops
             (the reference the kernel is tested against, and an A/B arm for benchmarks).
+        isa: which form of the native kernel runs (``ops.native.isa_code``: None = automatic,
+            "avx2", "avx512"); for tests and benchmarks.
         min_context: below this many cached tokens the layer runs dense, exactly.
         probe_dims: a key-level safety net for flat selection (0, the default, is off). Each
             call scores every sealed member key approximately, ``q.c + q_S.(k - c)_S`` over the
@@ -124,6 +128,7 @@ class SCSAConfig:
     tau_grid: tuple = DEFAULT_TAU_GRID
     calib_metric: str = "head"
     native: bool = True
+    isa: Optional[str] = None
     exact_when_unmet: bool = True
     min_context: int = 8192
     dense_when_cheaper: bool = True
@@ -146,6 +151,8 @@ class SCSAConfig:
         def bad(msg: str) -> None:
             raise LongattnError(f"SCSAConfig: {msg}")
 
+        if self.isa not in native.ISAS:
+            bad(f"isa must be None, 'auto', 'avx2' or 'avx512', got {self.isa!r}")
         if self.cluster_size < 1:
             bad(f"cluster_size must be >= 1, got {self.cluster_size}")
         if not 0 <= self.rank <= MAX_RANK:

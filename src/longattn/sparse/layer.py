@@ -76,6 +76,7 @@ class NativeArgs(NamedTuple):
     extra_k: torch.Tensor      # float32 [Hkv, X, D]: the outliers' keys
     extra_v: torch.Tensor      # float32 [Hkv, X, D]: their values
     sink_logits: torch.Tensor | None  # float32 [H]: learned sink logits (gpt-oss), or None
+    isa: int                   # ops.native.isa_code(SCSAConfig.isa)
 
     @classmethod
     def of(cls, index: ClusterIndex, taus: torch.Tensor, scale: float, cfg: SCSAConfig,
@@ -85,7 +86,7 @@ class NativeArgs(NamedTuple):
         sinks = None if sink_logits is None else sink_logits.detach().float().contiguous()
         return cls(index.extra_slots, index.summ, index.resid, index.log_counts, index.radius, index.vmean,
                    index.counts, index.num_clusters, st.kt, st.ks, st.vi, st.vs, taus, float(scale),
-                   cfg.probe_dims, cfg.probe_keys, index.extra_k, index.extra_v, sinks)
+                   cfg.probe_dims, cfg.probe_keys, index.extra_k, index.extra_v, sinks, native.isa_code(cfg.isa))
 
 
 class _Hot(NamedTuple):

@@ -33,11 +33,13 @@ class SparseOp:
         # (bit-identical); SCSA only ever sees long decode steps.
         self.dense = WindowOp(LayerPolicy("window", None, 0), None, policy.masks, policy.fused_decode)
 
-    def __call__(self, q, q_pos, k, v, k_pos, scale, softcap=None, layer=0, cache=None, sink_logits=None):
+    def __call__(self, q, q_pos, view, scale, softcap=None, sink_logits=None):
+        """``q [B, H, Tq, D]`` over ``view`` (cache.base.KVView) -> ``[B, H, Tq, D]``."""
         B, H, Tq, D = q.shape
-        if Tq > 1 or softcap is not None or cache is None or k.shape[2] < self.cfg.min_context:
-            out = self.dense(q, q_pos, k, v, k_pos, scale, softcap, layer, cache, sink_logits)
-            if Tq > 1 and cache is not None and softcap is None and self.cfg.index_in_prefill \
+        k, v, k_pos = view.k, view.v, view.positions
+        if Tq > 1 or softcap is not None or not view.cached or k.shape[2] < self.cfg.min_context:
+            out = self.dense(q, q_pos, view, scale, softcap, sink_logits)
+            if Tq > 1 and view.cached and softcap is None and self.cfg.index_in_prefill \
                     and k.shape[2] >= self.cfg.min_context and not bool((k_pos < 0).any()):
                 self._grow_index(H, k, v)
             return out
@@ -48,7 +50,7 @@ class SparseOp:
             raise LongattnError("the sparse policy needs unpadded streams (one stream, or equal lengths)")
         if self.scsa.runs_exact:  # no tau meets the tolerance here: the dense layer's own op
             self.scsa.count_exact_call(B, k.shape[2])
-            return self.dense(q, q_pos, k, v, k_pos, scale, softcap, layer, cache, sink_logits)
+            return self.dense(q, q_pos, view, scale, softcap, sink_logits)
         return self.scsa.attend(q, k, v, scale, sink_logits)
 
 

@@ -23,6 +23,7 @@ import weakref
 
 import torch
 
+from ..cache.base import KVView
 from ..policy import LayerPolicy, WindowOp
 from .config import SCSAConfig
 from .layer import SCSALayer
@@ -116,7 +117,7 @@ def _stream(state: SparseState, b: int, q, k, v, n: int, k_new, v_new, layer: in
         if sc is not None:
             sc.count_exact_call(1, n + 1)
         pos = state.positions(n + 1)
-        return state.dense(q, pos[:, n:], kb, vb, pos, scale, sink_logits=sink_logits)
+        return state.dense(q, pos[:, n:], KVView(kb, vb, pos, k_new, v_new), scale, sink_logits=sink_logits)
     return sc.attend(q, kb, vb, scale, sink_logits)
 
 
@@ -136,9 +137,8 @@ class StaticSparseOp:
     def __init__(self, state: SparseState, layer: int):
         self.state, self.layer = state, layer
 
-    def __call__(self, q, q_pos, k, v, k_pos, scale, softcap=None, layer=0, cache=None, sink_logits=None):
+    def __call__(self, q, q_pos, view, scale, softcap=None, sink_logits=None):
         if softcap is not None:
             raise NotImplementedError("SCSA with score softcapping")  # rejected at construction
-        k_new, v_new = cache.pending[layer]
-        return torch.ops.longattn.scsa_step(q, k, v, q_pos, k_new, v_new, self.state.key, self.layer, float(scale),
-                                            sink_logits)
+        return torch.ops.longattn.scsa_step(q, view.k, view.v, q_pos, view.new_k, view.new_v, self.state.key,
+                                            self.layer, float(scale), sink_logits)

@@ -151,7 +151,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const at::Tensor& k_pos, const at::Tensor& q_pos, const at::Tensor& k_new,
                             const at::Tensor& v_new, int64_t window, int64_t sinks, double scale,
                             const std::optional<at::Tensor>& sink_logits,
-                            const std::optional<at::Tensor>& block_table, int64_t block_size) {
+                            const std::optional<at::Tensor>& block_table, int64_t block_size, int64_t isa) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k_new.dim() == 4 && v_new.dim() == 4,
               "decode_attention: q [B, H, 1, D], k/v [B, Hkv, S, D], k_new/v_new [B, Hkv, 1, D]");
   for (const auto* t : {&q, &k, &v, &k_new, &v_new})
@@ -217,7 +217,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   // partial[item][g] = (max, normaliser, numerator[D])
   std::vector<float> part(heads * chunks * G * (D + 2));
   // the AVX-512 loops (same bits) where the CPU has them and rows are whole 512-bit vectors
-  const bool wide = longattn::use_avx512_dense_attention() && D % 16 == 0;
+  const bool wide = longattn::use_avx512_dense_attention(isa) && D % 16 == 0;
   const HeadPasses passes(G);
 
   at::parallel_for(0, heads * chunks, 1, [&](int64_t i0, int64_t i1) {
@@ -338,7 +338,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 TORCH_LIBRARY_FRAGMENT(longattn_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor k_pos, Tensor q_pos, Tensor k_new, "
         "Tensor v_new, int window, int sinks, float scale, Tensor? sink_logits=None, Tensor? block_table=None, "
-        "int block_size=0) -> Tensor");
+        "int block_size=0, int isa=-1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(longattn_cpu, CPU, m) {

@@ -210,7 +210,8 @@ struct PackedInt4 {
   }
 };
 
-at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m) {
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
+                     int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int4_gemv: x [M, K] float32");
   const PackedInt4 w("int4_gemv", codes, d, m, x.size(1));
   const int64_t M = x.size(0), K = w.K, N = w.N, G = w.G;
@@ -231,7 +232,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   // ~32 KiB of codes per task
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(K, 1));
   // the AVX-512 form reads the activations with each group's halves apart (split_halves)
-  const bool wide = longattn::use_avx512();
+  const bool wide = longattn::use_avx512(isa);
   std::vector<int8_t> xs2(wide ? M * K : 0);
   for (int64_t r = 0; wide && r < M; ++r) split_halves(xq.data() + r * K, G, xs2.data() + r * K);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
@@ -278,7 +279,7 @@ at::Tensor int4_dequantize(const at::Tensor& codes, const at::Tensor& d, const a
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(longattn_cpu, m) {
-  m.def("int4_gemv(Tensor x, Tensor codes, Tensor d, Tensor m) -> Tensor");
+  m.def("int4_gemv(Tensor x, Tensor codes, Tensor d, Tensor m, int isa=-1) -> Tensor");
   m.def("int4_dequantize(Tensor codes, Tensor d, Tensor m) -> Tensor");
 }
 

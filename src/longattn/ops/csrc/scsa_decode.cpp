@@ -608,7 +608,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
     const at::Tensor& radius, const at::Tensor& vmean, const at::Tensor& counts, int64_t M, const at::Tensor& kt,
     const at::Tensor& ks, const at::Tensor& vi, const at::Tensor& vs, const at::Tensor& taus, double scale,
     int64_t probe_dims, int64_t probe_keys, const std::optional<at::Tensor>& extra_k,
-    const std::optional<at::Tensor>& extra_v, const std::optional<at::Tensor>& sink_logits) {
+    const std::optional<at::Tensor>& extra_v, const std::optional<at::Tensor>& sink_logits, int64_t isa) {
   const bool four = q_in.dim() == 4;
   TORCH_CHECK(!four || (q_in.size(0) == 1 && q_in.size(2) == 1 && k_in.dim() == 4 && v_in.dim() == 4 &&
                         k_in.size(0) == 1 && v_in.size(0) == 1),
@@ -696,7 +696,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
   // relative to it, so phase B adds it to each opened member's residual score
   std::vector<float> qcent(Hkv * G * M);
 
-  const bool wide = longattn::use_avx512();  // AVX-512 forms where the CPU has them
+  const bool wide = longattn::use_avx512(isa);  // cpu_features.h
   const int64_t tile_bytes = tiles * 8 * D;
   at::parallel_for(0, Hkv, 1, [&](int64_t h0, int64_t h1) {
     // per-thread scratch kept between calls (see fit)
@@ -965,7 +965,7 @@ TORCH_LIBRARY_FRAGMENT(longattn_cpu, m) {
   m.def("scsa_decode(Tensor q, Tensor k, Tensor v, int s0, int s1, Tensor extra, Tensor summ, "
         "Tensor resid, Tensor log_counts, Tensor radius, Tensor vmean, Tensor counts, int M, Tensor kt, Tensor ks, "
         "Tensor vi, Tensor vs, Tensor taus, float scale, int probe_dims=0, int probe_keys=1, "
-        "Tensor? extra_k=None, Tensor? extra_v=None, Tensor? sink_logits=None) -> "
+        "Tensor? extra_k=None, Tensor? extra_v=None, Tensor? sink_logits=None, int isa=-1) -> "
         "(Tensor, Tensor, Tensor)");
 }
 

@@ -1,0 +1,146 @@
+"""The one place that picks a GEMV kernel for each weight format.
+
+Formats (``models.weights`` makes them): float32 and bf16 matrices, int8 rows with one float32
+scale each, int4 groups of 32 with a float16 step and offset. A matmul with WIDEN_ROWS rows or
+more (prefill) widens the weight to the activations' dtype block by block and runs a float GEMM;
+a decode-sized one runs a kernel on the stored format:
+
+| format | kernel "avx2" (float32 activations, the native build) | fallback |
+|---|---|---|
+| int8 | ``csrc/int8_gemv.cpp``: rows widened in registers, float32 sums | ``aten._weight_int8pack_mm`` on bf16 activations |
+| int4 | ``csrc/int4_gemv.cpp``: activations rounded to int8 per block of 32, integer dots | the same arithmetic in PyTorch |
+| bf16 | ``F.linear`` in bf16 (half the bytes read) | |
+
+``gemv_kernel`` makes the choice once, when a layer is converted (a plain string is a constant
+to torch.compile, and a first-call build must not happen inside a trace). The int4 kernel has
+an AVX2 and an AVX-512 form; ``isa`` picks one (``ops.native.isa_code``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import native
+
+INT4_GROUP = 32  # weights per int4 group (and activations per int8 block in its kernel)
+
+
+# With this many rows or more, a bf16 weight is widened to float32 for the matmul: CPUs without
+# bf16 GEMM units run bf16 prefill far slower than float32, while widening costs one pass over
+# the weight. Decode (few rows) stays in bf16, where reading half the bytes is the gain.
+WIDEN_ROWS = 32
+
+
+# Widening happens WIDEN_BLOCK output rows at a time: a whole widened matrix would be a fresh
+# allocation of up to hundreds of MB per call, whose page faults cost more than the matmul; a
+# block-sized temporary is reused.
+WIDEN_BLOCK = 1024
+
+
+def widened_linear(x: torch.Tensor, n_out: int, widen, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K] @ W^T + b`` in x's dtype, where ``widen(i, j)`` returns rows ``i:j`` of W
+    as a ``[j - i, K]`` tensor in x's dtype (a slice converted from bf16 or int8)."""
+    if n_out <= WIDEN_BLOCK:
+        return F.linear(x, widen(0, n_out), None if b is None else b.to(x.dtype))
+    parts = [F.linear(x, widen(i, min(n_out, i + WIDEN_BLOCK)))
+             for i in range(0, n_out, WIDEN_BLOCK)]
+    y = torch.cat(parts, dim=-1)
+    return y if b is None else y + b.to(x.dtype)
+
+
+def prefill_sized(x: torch.Tensor) -> bool:
+    """``x [..., K]`` has WIDEN_ROWS rows or more: widen the weight, run a float GEMM."""
+    return x.numel() // x.shape[-1] >= WIDEN_ROWS
+
+
+def float_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear in the weight's dtype (bf16 weights read half the bytes), result in x's dtype."""
+    if w.dtype != x.dtype:
+        if prefill_sized(x):
+            return widened_linear(x, w.shape[0], lambda i, j: w[i:j].to(x.dtype), b)
+        y = F.linear(x.to(w.dtype), w, None if b is None else b.to(w.dtype))
+        return y.to(x.dtype)
+    return F.linear(x, w, b)
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """``q [N, K]`` int8, ``scales [N]`` -> ``[N, K]`` in ``dtype`` (the weight int8 stands for)."""
+    return (q.to(dtype) * scales.to(dtype)[:, None])
+
+
+def dequantize_int4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """``codes [N, K/2]``, ``d, m [N, K/32]`` -> ``[N, K]`` in ``dtype``: ``d * u + m`` rounded once
+    (float64 holds it exactly). float32 runs the native kernel where it is built (one fma per
+    value, the same bits, in one pass instead of several PyTorch ops)."""
+    if dtype == torch.float32 and native.available():
+        return torch.ops.longattn_cpu.int4_dequantize(codes, d, m)
+    N = codes.shape[0]
+    c = codes.reshape(N, -1, INT4_GROUP // 2)
+    u = torch.cat([c & 15, c >> 4], dim=-1).double()
+    return (u * d.double()[..., None] + m.double()[..., None]).reshape(N, -1).to(dtype)
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """What the int4 kernel multiplies by: ``x [..., K]`` rounded to int8 per block of 32 with one
+    step ``max|x| / 127`` per block, returned dequantized in x's dtype (for float32 x these are
+    the kernel's own values, bit for bit)."""
+    xb = x.reshape(*x.shape[:-1], -1, INT4_GROUP)
+    step = xb.abs().amax(-1, keepdim=True) / 127
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    xq = torch.round(xb / safe).clamp_(-127, 127)
+    return (xq * step).reshape(x.shape)
+
+
+def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, scales_bf16: torch.Tensor,
+                kernel: str = "aten") -> torch.Tensor:
+    """``x [..., K]`` -> ``x @ (q * scales)^T`` as ``[..., N]`` in x's dtype.
+
+    kernel "avx2" (float32 x only): longattn's kernel, float32 arithmetic on unrounded
+    activations (``int8_gemv``). kernel "aten": ``aten._weight_int8pack_mm``, fast only
+    with bf16 activations, so x and the scales are rounded to bf16 exactly as the bf16 weight
+    path does.
+    """
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if kernel == "avx2" and x.dtype == torch.float32:
+        y = int8_gemv(x2, q, scales)
+    else:
+        y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), q, scales_bf16)
+    return y.reshape(*shape[:-1], q.shape[0]).to(x.dtype)
+
+
+def int4_matmul(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                kernel: str = "torch", isa: str | None = None) -> torch.Tensor:
+    """``x [..., K]`` -> ``quantize_activations(x) @ dequantize_int4(codes, d, m)^T`` as ``[..., N]``.
+
+    kernel "avx2" (float32 x only): longattn's kernel. Otherwise PyTorch evaluates the same
+    product in x's dtype (the fallback where the kernel cannot run).
+    """
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if kernel == "avx2" and x.dtype == torch.float32:
+        y = torch.ops.longattn_cpu.int4_gemv(x2, codes, d, m, native.isa_code(isa))
+    else:
+        y = quantize_activations(x2) @ dequantize_int4(codes, d, m, x.dtype).T
+    return y.reshape(*shape[:-1], codes.shape[0])
+
+
+def gemv_kernel(fmt: str) -> str:
+    """The decode kernel a layer stored as ``fmt`` ("int8" or "int4") runs: "avx2" where the
+    native kernels are built (building them on the first call), else the format's fallback
+    ("aten" for int8, "torch" for int4)."""
+    if native.available():
+        return "avx2"
+    return "aten" if fmt == "int8" else "torch"
+
+
+def kernel_name() -> str:
+    """The int8 decode kernel in use, as benchmarks record it."""
+    return "longattn-avx2" if native.available() else "aten-int8pack"
+
+
+def int8_gemv(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` float32, ``q [N, K]`` int8, ``s [N]`` float32 -> ``x @ (q * s[:, None]).T``
+    as ``[M, N]`` float32 (the native kernel; ``int8_matmul`` picks it)."""
+    return torch.ops.longattn_cpu.int8_gemv(x, q, s)
