@@ -3,8 +3,12 @@
 Change the token at position p, run the model again under the same policy, and record, for
 each later position t, the largest change of any logit. Each windowed layer moves
 information at most W-1 positions forward, so with W on every one of L layers the change
-reaches exactly L*(W-1) positions (DESIGN.md "reach") and every logit beyond it is
+reaches exactly L*(W-1) positions (``lab.arithmetic.reach``) and every logit beyond it is
 bit-for-bit unchanged: rows of a matmul do not mix, and masked keys contribute an exact 0.
+Both forwards run on one thread: a multithreaded GEMM may split a row's sum differently from
+one call to the next (measured on 2 threads: about one process in fifteen saw a one-ulp change
+beyond the reach, and the same input twice gave different logits), which would hide the
+structural zero behind rounding noise.
 A sink at or after p does not change that; p < sinks makes p readable from everywhere.
 """
 
@@ -49,8 +53,13 @@ def receptive_field(model, ids: torch.Tensor, window: int, position: int = 0, si
         raise LongattnError("the replacement token equals the original one")
     alt = ids.clone()
     alt[position] = new
-    a = model(ids[None, :], policy=policy, logits="all")[0]  # [T, V]
-    b = model(alt[None, :], policy=policy, logits="all")[0]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = model(ids[None, :], policy=policy, logits="all")[0]  # [T, V]
+        b = model(alt[None, :], policy=policy, logits="all")[0]
+    finally:
+        torch.set_num_threads(threads)
     change = (b[position:] - a[position:]).abs().amax(dim=-1).double()  # [T - p]
     nz = torch.nonzero(change > 0).flatten()
     windows = policy.windows
