@@ -1,4 +1,4 @@
-"""Eviction with renumbering == never having seen the span (DESIGN.md invariant 5), and
+"""Eviction with renumbering == never having seen the span, and
 bounded decode by trimming == windowed decode over the full cache (invariant 6).
 
 Setting: tiny Llama (3 layers), window W = 6 on every layer, so a token reaches back

@@ -1,4 +1,4 @@
-"""Ring cache == masked dense attention at every step (DESIGN.md invariant 4), chunked
+"""Ring cache == masked dense attention at every step, chunked
 prefill into a ring == one-shot windowed attention, constant memory, and StreamingLLM
 position re-indexing.
 

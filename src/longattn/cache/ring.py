@@ -2,7 +2,7 @@
 
 Layout per stream: ``sinks`` pinned slots followed by ``window`` rotating slots. Position
 ``p`` lives in slot ``p`` if ``p < sinks`` else ``sinks + (p - sinks) % window``
-(DESIGN.md), computed per batch row, so streams may sit at different positions.
+(docs/design.md), computed per batch row, so streams may sit at different positions.
 
 ``update(k, v, pos)`` with a chunk of T tokens (T may exceed the window: Mistral-style
 chunked prefill into a rolling cache) returns the ring contents from BEFORE the chunk
@@ -44,7 +44,7 @@ from .base import LayerCache, register_layer_cache
 
 def ring_slot(pos: torch.Tensor, sinks: int, window: int) -> torch.Tensor:
     """Slot of each absolute position ``pos`` (any shape, int64, >= 0) in a ring of
-    ``sinks`` pinned slots and ``window`` rotating ones (DESIGN.md)."""
+    ``sinks`` pinned slots and ``window`` rotating ones (docs/design.md)."""
     return torch.where(pos < sinks, pos, sinks + (pos - sinks).remainder(window))
 
 

@@ -1,6 +1,6 @@
 """Closed-form arithmetic of windowed attention: masks, pair counts, reach, cache sizes.
 
-Definitions follow DESIGN.md: a query at position i may read key j when ``j <= i`` and
+Definitions (docs/design.md): a query at position i may read key j when ``j <= i`` and
 ``i - j < W`` (W keys including itself); the first S positions (sinks) stay readable by every
 query; ``W`` of ``None`` or ``<= 0`` means full causal attention. Everything here is exact
 integer arithmetic (Python ints, no loops over T) so it can be quoted next to measurements.
@@ -196,7 +196,7 @@ _ROWS = [
     PublishedConfig("gemma-3-270m", 18, 4, 1, 256, 640, _gemma3_windows(18, 512),
                     _G3_SRC + "google/gemma-3-270m config.json (18 layers, 4 heads, 1 KV head, head_dim "
                     "256, hidden_size 640, sliding_window 512, layer_types 5 sliding : 1 full), as copied "
-                    "in huggingface.co/Codingstark/gemma3-270m-leetcode; DESIGN.md bundled model"),
+                    "in huggingface.co/Codingstark/gemma3-270m-leetcode; the bundled model's shape"),
     PublishedConfig("gemma-3-1b", 26, 4, 1, 256, 1152, _gemma3_windows(26, 512),
                     _G3_SRC + "google/gemma-3-1b-it config.json (26 layers, 4 heads, 1 KV head, head_dim "
                     "256, hidden_size 1152, sliding_window 512, sliding_window_pattern 6), as quoted in "
@@ -221,14 +221,14 @@ _ROWS = [
                     "Qwen/Qwen2.5-0.5B config.json (24 layers, 14 heads, 2 KV heads, hidden_size 896 -> "
                     "head_dim 64, use_sliding_window false), as copied in "
                     "huggingface.co/osllmai-community/Qwen2.5-0.5B; same shape as the bundled "
-                    "Qwen2.5-Coder-0.5B (DESIGN.md)"),
+                    "Qwen2.5-Coder-0.5B"),
     PublishedConfig("qwen3-0.6b", 28, 16, 8, 128, 1024, (None,) * 28,
                     "AI-Hypercomputer/maxtext hf_model_configs.py qwen3_0_6b_config (28 layers, 16 heads, "
                     "8 KV heads, head_dim 128, hidden_size 1024, no sliding window)"),
     PublishedConfig("smollm2-135m", 30, 9, 3, 64, 576, (None,) * 30,
                     "HuggingFaceTB/SmolLM2-135M config.json (30 layers, 9 heads, 3 KV heads, head_dim 64, "
                     "hidden_size 576, no sliding window), as copied in "
-                    "huggingface.co/Avibhi/SmolLM2-SFT-DSQA; DESIGN.md bundled model"),
+                    "huggingface.co/Avibhi/SmolLM2-SFT-DSQA; the bundled model's shape"),
     PublishedConfig("llama-3.2-1b", 16, 32, 8, 64, 2048, (None,) * 16,
                     "meta-llama/Llama-3.2-1B config.json (16 layers, 32 heads, 8 KV heads, head_dim 64, "
                     "hidden_size 2048, no sliding window), as copied in "

@@ -1,7 +1,7 @@
 """Banded O(T*W) prefill attention: each query block reads only its window band plus sinks.
 
 A query at absolute position i may read key j when ``j <= i`` and ``i - j < W``, or when
-``j < sinks`` (DESIGN.md). Full causal attention over T positions scores T(T+1)/2 pairs; a
+``j < sinks`` (docs/design.md). Full causal attention over T positions scores T(T+1)/2 pairs; a
 window needs only about T*W. This module gets close to that with PyTorch's fused SDPA:
 
 * queries are cut into blocks of ``block_size`` rows;

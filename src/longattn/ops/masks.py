@@ -1,4 +1,4 @@
-"""Who may read whom, by absolute position (DESIGN.md definitions).
+"""Who may read whom, by absolute position (docs/design.md, definitions).
 
 A query at absolute position i may read key j when ``j <= i`` and ``i - j < W``
 (W keys including itself), or when ``j < sinks``. ``W`` of ``None`` or ``<= 0`` means
@@ -30,7 +30,7 @@ def allowed_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = 
         ``[B, 1, Tq, Tk]`` bool, True where the query may read the key.
 
     With ``window=None`` and with any ``window >= Tq + Tk`` the mask is the same tensor,
-    so attention over it is bit-identical (invariant 1 and 2 of DESIGN.md).
+    so attention over it is bit-identical (the first two exactness claims of docs/design.md).
     """
     qp = q_pos[:, :, None]
     kp = k_pos[:, None, :]
