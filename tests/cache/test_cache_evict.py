@@ -1,5 +1,5 @@
 """Eviction with renumbering == never having seen the span, and
-bounded decode by trimming == windowed decode over the full cache (invariant 6).
+bounded decode by trimming == windowed decode over the full cache.
 
 Setting: tiny Llama (3 layers), window W = 6 on every layer, so a token reaches back
 L * (W - 1) = 15 positions. Prompt = A (5 tokens) + X (7, evicted: positions 5..11) + B (20);
