@@ -40,7 +40,7 @@ from longattn.cache.base import KVView
 from longattn.host import cpu_description
 from longattn.lab.plots import write_json
 from longattn.ops import native
-from longattn.policy import LayerPolicy, WindowOp
+from longattn.ops.attention import WindowOp
 from longattn.sparse import SCSAConfig, SCSALayer, cost
 from longattn.sparse.synthetic import synthetic_cache
 
@@ -81,7 +81,7 @@ def main() -> int:
     if not native.available():
         sys.exit("scsa_cost: the native kernels are not built here (needs AVX2 and a compiler)")
     scale = D ** -0.5
-    dense_op = WindowOp(LayerPolicy("window", None, 0))
+    dense_op = WindowOp()
     points, dense_points = [], []
     for n in args.sizes:
         cache = synthetic_cache(n, HKV, D, seed=1)

@@ -36,7 +36,7 @@ from longattn.host import cpu_description
 from longattn.ops import native
 from longattn.policy import AttentionPolicy
 from longattn.sparse import SCSAConfig
-from longattn.sparse.policy import build_sparse_policy, sparse_ops
+from longattn.sparse.policy import build_sparse_policy, stream_layers
 from longattn.engine.static_step import StaticDecoder
 
 from common import RESULTS, extend_prefix, load_model, prefix_cache, truncate, write_result
@@ -141,10 +141,12 @@ def main():
         msg = f"L={L:>6} x {n_steps - args.calib}  dense {1 / d:6.2f} tok/s"
         if not args.skip_eager_sparse:
             sp_pol = make_sparse_policy(ck.config, args)
+            for st in cache.op_state:  # a fresh SCSA state (index, calibration) for this context
+                st.clear()
             agree, s_times = run_sparse(model, cache, sp_pol, toks, args.calib)
             truncate(cache, L)
             s = statistics.median(s_times[args.calib:])
-            layers = [op.scsa for op in sparse_ops(sp_pol)]
+            layers = list(stream_layers(cache).values())
             taus = [t for sc in layers for t in sc.tau_values() if t is not None] or [0.0]  # None: exact head
             row.update(sparse_tok_s=1 / s, speedup=d / s, agreement=sum(agree) / len(agree),
                        counters=counters_of(layers), tau_median=statistics.median(taus), tau_min=min(taus),

@@ -58,7 +58,7 @@ from longattn.policy import AttentionPolicy
 from longattn.sparse import SCSAConfig
 from longattn.sparse.kernel import Selection
 from longattn.sparse.layer import SCSALayer
-from longattn.sparse.policy import build_sparse_policy, policy_taus, preset_taus, retune, sparse_ops
+from longattn.sparse.policy import build_sparse_policy, cache_taus, retune, stream_layers, with_taus
 
 from common import RESULTS, write_result
 RETRIEVAL_TASKS = ("passkey", "niah_multikey_1", "vt")
@@ -84,7 +84,19 @@ def truncate(cache: KVCache, n: int) -> None:
     cache.next_pos = torch.full_like(cache.next_pos, n)
 
 
+# id(policy) -> (policy, the op state its arm keeps): the arms share one cache, truncated between
+# them, and each keeps its own SCSA state (index, calibration) in it while it runs
+_STATES: dict = {}
+
+
+def bind(cache: KVCache, policy) -> KVCache:
+    """``cache`` holding ``policy``'s own op state (made empty on its first use)."""
+    cache.op_state = _STATES.setdefault(id(policy), (policy, [{} for _ in cache.layers]))[1]
+    return cache
+
+
 def step(model, cache, policy, tok: int) -> torch.Tensor:
+    bind(cache, policy)
     return model(torch.tensor([[tok]]), cache=cache, policy=policy, logits="all")[0, -1]
 
 
@@ -103,8 +115,8 @@ def greedy(model, cache, policy, first: int, n: int, label: str, progress, stop=
     return out
 
 
-def counters(policy) -> dict:
-    return {op.layer_index: dict(op.scsa.counters) for op in sparse_ops(policy) if op.scsa is not None}
+def counters(cache, policy) -> dict:
+    return {i: dict(sc.counters) for i, sc in stream_layers(bind(cache, policy)).items()}
 
 
 def opened_fraction(before: dict, after: dict, kv_heads: int, context_sum: int) -> dict:
@@ -125,7 +137,7 @@ def sparse_cfg(args, packing: str, calib: int) -> SCSAConfig:
 def nll(model, cache, policy, first: int, cont: list) -> float:
     """Mean NLL of ``cont`` after feeding ``first`` under ``policy`` (teacher-forced, one chunk)."""
     ids = torch.tensor([[first] + cont[:-1]])
-    logits = model(ids, cache=cache, policy=policy, logits="all")[0].float()
+    logits = model(ids, cache=bind(cache, policy), policy=policy, logits="all")[0].float()
     return float(torch.nn.functional.cross_entropy(logits, torch.tensor(cont)))
 
 
@@ -144,15 +156,15 @@ def run_context(model, ck, ids, cache, L, args, dense_pol, progress) -> dict:
             step(model, cache, pol, toks[i])
             progress(f"L={L} calibrate {packing} {i + 1}/{args.calib}")
         for tol in args.tolerances:
-            taus = retune(pol, tol)
-            before = counters(pol)
+            taus = retune(bind(cache, pol), tol)
+            before = counters(cache, pol)
             agree = []
             for i in range(args.steps):
                 j = args.calib + i
                 agree.append(int(step(model, cache, pol, toks[j]).argmax()) == toks[j + 1])
                 progress(f"L={L} {packing} tol {tol} {i + 1}/{args.steps} agree {sum(agree)}/{len(agree)}")
             truncate(cache, Lc)
-            frac = opened_fraction(before, counters(pol), kv, ctx_sum)
+            frac = opened_fraction(before, counters(cache, pol), kv, ctx_sum)
             flat = [t for li in sorted(taus) for t in taus[li] if t is not None] or [0.0]  # None: exact head
             row["sweep"].append({"packing": packing, "tolerance": tol, "agreement": sum(agree) / len(agree),
                                  "opened_fraction": frac["overall"],
@@ -168,7 +180,7 @@ def run_context(model, ck, ids, cache, L, args, dense_pol, progress) -> dict:
     # (b) free-running from the calibrated state (cache at L + calib, first packing, --tolerance)
     for i in range(args.calib):  # the calibration tokens, exact, to reach the calibrated state
         step(model, cache, dense_pol, toks[i])
-    retune(free_pol, args.tolerance)
+    retune(bind(cache, free_pol), args.tolerance)
     first = toks[args.calib]
     conts = {}
     for arm, pol in (("dense", dense_pol), ("sparse", free_pol)):
@@ -188,7 +200,7 @@ def run_context(model, ck, ids, cache, L, args, dense_pol, progress) -> dict:
     progress.done(f"L={L} free-running: identical {a == b}, first divergence {div}, "
                   f"NLL delta {judged['sparse'] - judged['dense']:+.4f}")
     truncate(cache, L)
-    row["retrieval"] = retrieval(model, ck, L, args, policy_taus(free_pol), progress)
+    row["retrieval"] = retrieval(model, ck, L, args, cache_taus(bind(cache, free_pol)), progress)
     return row
 
 
@@ -294,17 +306,16 @@ def retrieval(model, ck, L, args, taus, progress) -> dict:
                 if arm == "sparse" and args.retrieval_calib == "prompt":  # calibrates on this prompt
                     pol = build_sparse_policy(ck.config, sparse_cfg(args, args.packings[0], args.calib))
                 elif arm == "sparse":
-                    pol = build_sparse_policy(ck.config, sparse_cfg(args, args.packings[0], 0))
-                    preset_taus(pol, ck.config, taus)
+                    pol = with_taus(build_sparse_policy(ck.config, sparse_cfg(args, args.packings[0], 0)), taus)
                 elif arm in CONTROL_ARMS:  # everything opened: only rounding differs from dense
-                    pol = build_sparse_policy(ck.config, sparse_cfg(args, CONTROL_ARMS[arm], 0))
-                    preset_taus(pol, ck.config, {li: [0.0] * len(t) for li, t in taus.items()})
+                    pol = with_taus(build_sparse_policy(ck.config, sparse_cfg(args, CONTROL_ARMS[arm], 0)),
+                                    {li: [0.0] * len(t) for li, t in taus.items()})
                 elif arm == "sparse_py" or arm in nets:  # the book taus on the PyTorch path
-                    pol = build_sparse_policy(ck.config, replace(sparse_cfg(args, args.packings[0], 0), native=False))
-                    preset_taus(pol, ck.config, taus)
+                    pol = with_taus(build_sparse_policy(ck.config, replace(sparse_cfg(args, args.packings[0], 0),
+                                                                           native=False)), taus)
                     if arm in nets:
                         net = oracle_net(*nets[arm])
-                before = counters(pol)
+                before = counters(cache, pol)
                 for i, t in enumerate(pid[n0:-1]):  # calibration steps (exact attention in every arm)
                     step(model, cache, pol, t)
                     progress(f"L={L} {task} #{s} {arm} prompt step {i + 1}/{fed - 1}")
@@ -314,7 +325,7 @@ def retrieval(model, ck, L, args, taus, progress) -> dict:
                                  progress, stop, lambda out: T.settled(smp, decode(out)))
                 truncate(cache, n0)
                 answers[arm] = {"tokens": gen, "prediction": decode(gen), "score": T.score(smp, decode(gen))}
-                after = counters(pol)
+                after = counters(cache, pol)
                 if after and arm not in CONTROL_ARMS:  # opened rows / (calls * kv heads * prompt length)
                     d = {n: sum(after[li][n] - before[li][n] for li in after) for n in ("opened_rows", "calls")}
                     answers[arm]["opened_fraction"] = d["opened_rows"] / max(1, d["calls"] * kv * len(pid))

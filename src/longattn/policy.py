@@ -1,7 +1,7 @@
 """Per-layer attention policy: which op each layer runs, with which window and sinks.
 
-A policy is data (a list of LayerPolicy) plus a registry of op kinds; adding a kind is one
-class plus one registry entry. The model asks ``policy.op(i)`` and calls what it gets.
+A policy is data (frozen: a LayerPolicy per layer) plus a registry of op kinds; adding a kind
+is one class plus one registry entry. The model asks ``policy.op(i)`` and calls what it gets.
 
 Sources of a policy:
 - the checkpoint (default): each layer's trained window (Gemma 3: 512 on local layers);
@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from .errors import LongattnError, check_int
-from .ops import native
-from .ops.attention import BANDED_MIN_TOKENS, MaskMemo, attend
+from .ops.attention import BANDED_MIN_TOKENS, WindowOp  # noqa: F401  (WindowOp re-exported)
 
 
 @dataclass(frozen=True)
@@ -26,34 +25,13 @@ class LayerPolicy:
     kind: str = "window"          # "window" (None window = dense) | "sparse" | registered kinds
     window: Optional[int] = None  # keys per query including itself; None = full causal
     sinks: int = 0                # first positions always readable
-
-
-class WindowOp:
-    """Attention by absolute positions under one layer's window and sinks (window None = dense
-    causal); ``ops.attention.attend`` picks the kernel. ``banded_min_tokens`` None keeps every
-    prefill off the banded path; ``fused_decode=False`` keeps decode steps on the matmul form
-    (the fused kernel's reference); ``masks`` is shared by the ops of one policy."""
-
-    # Learned per-head sink logits (gpt-oss) are honoured (ops.attention.attend).
-    learned_sinks = True
-
-    def __init__(self, lp: LayerPolicy, banded_min_tokens: Optional[int] = None,
-                 masks: Optional[MaskMemo] = None, fused_decode: bool = True):
-        self.lp = lp
-        self.banded_min_tokens = banded_min_tokens
-        self.masks = masks if masks is not None else MaskMemo()
-        self.fused_decode = fused_decode and native.available()
-
-    def __call__(self, q, q_pos, view, scale, softcap=None, sink_logits=None):
-        """``q [B, H, Tq, D]`` at ``q_pos [B, Tq]`` over ``view`` (cache.base.KVView) ->
-        ``[B, H, Tq, D]``."""
-        return attend(q, q_pos, view.k, view.v, view.positions, self.lp.window, self.lp.sinks, scale, softcap,
-                      fused=self.fused_decode, banded_min_tokens=self.banded_min_tokens, masks=self.masks,
-                      sink_logits=sink_logits)
+    # sparse layers: frozen thresholds per KV head (None = that head attends exactly), taken
+    # instead of calibrating (sparse.policy.with_taus); None = calibrate in the first steps
+    taus: Optional[tuple] = None
 
 
 def _window_factory(lp: LayerPolicy, policy: "AttentionPolicy", layer: int) -> WindowOp:
-    return WindowOp(lp, policy.banded_min_tokens, policy.masks, policy.fused_decode)
+    return WindowOp(lp.window, lp.sinks, policy.banded_min_tokens, policy.fused_decode)
 
 
 # kind -> factory(layer_policy, attention_policy, layer_index) returning the layer's op.
@@ -63,29 +41,32 @@ OP_REGISTRY: dict = {"window": _window_factory}
 def register_op(kind: str, factory: Callable) -> None:
     """Add an attention kind: ``factory(lp, policy, layer) -> op`` where ``op(q, q_pos, view,
     scale, softcap=None, sink_logits=None)`` (``view`` a cache.base.KVView) returns
-    ``[B, H, Tq, D]``."""
+    ``[B, H, Tq, D]``. An op holds settings only: per-stream state goes in ``view.state``."""
     OP_REGISTRY[kind] = factory
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionPolicy:
-    layers: list = field(default_factory=list)  # [L] LayerPolicy
+    """Which op each layer runs, with which settings: data only (frozen). The ops it hands out
+    (``op(i)``) are made from that data once and keep no state of their own; what an op keeps
+    for a stream lives in the stream's cache (``KVView.state``)."""
+
+    layers: tuple = ()  # [L] LayerPolicy
     banded_min_tokens: Optional[int] = BANDED_MIN_TOKENS
     sparse_config: Optional[object] = None  # SCSAConfig for "sparse" layers
     fused_decode: bool = True  # decode steps through the C++ kernel where built (see WindowOp)
-    ops: list = field(default_factory=list, repr=False)
-    masks: MaskMemo = field(default_factory=MaskMemo, init=False, repr=False, compare=False)
+    ops: tuple = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
         # Kinds register themselves where they are defined (longattn.sparse.policy registers
         # "sparse"; only its builders make sparse layers), so this module knows none of them.
-        self.ops = []
+        object.__setattr__(self, "layers", tuple(self.layers))
         for lp in self.layers:
             check_int("window", lp.window, allow_none=True)
             check_int("sinks", lp.sinks)
             if lp.kind not in OP_REGISTRY:
                 raise LongattnError(f"unknown attention kind '{lp.kind}'; known: {', '.join(OP_REGISTRY)}")
-            self.ops.append(OP_REGISTRY[lp.kind](lp, self, len(self.ops)))
+        object.__setattr__(self, "ops", tuple(OP_REGISTRY[lp.kind](lp, self, i) for i, lp in enumerate(self.layers)))
 
     def op(self, i: int):
         return self.ops[i]

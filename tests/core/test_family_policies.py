@@ -73,6 +73,7 @@ def _decoded(model, policy, ids, runner: str) -> torch.Tensor:
     cfg = model.config
     if runner in ("ring", "int8", "int4"):
         sess = Session(model, policy)
+        _decoded.last_cache = sess.cache  # what the ops kept (test_imposed_policy_takes_effect)
         return _decode(sess.step, sess.prefill(ids, chunk=16)[:, 0])
     if runner == "evict":  # growing caches trimmed to each layer's window between steps
         sess = Session(model, policy, cache=make_cache(cfg, policy, kind="growing", model=model))
@@ -127,7 +128,7 @@ def test_imposed_policy_takes_effect(family, policy_name):
     steps. On a checkpoint windowed on every layer "global" and "sparse" have no global layer
     to act on, and SCSA has no term for score soft-capping: those are refused,
     never run as another policy under this one's name."""
-    from longattn.sparse.policy import sparse_ops
+    from longattn.sparse.policy import sparse_layers, stream_layers
     try:
         _, policy = _run(family, policy_name, "ring")
     except LongattnError as e:
@@ -138,8 +139,8 @@ def test_imposed_policy_takes_effect(family, policy_name):
         assert no_global or (policy_name == "sparse" and no_scsa_term), f"{family}/{policy_name}: {e}"
         return
     if policy_name == "sparse":
-        ops = sparse_ops(policy)
-        assert ops and all(op.scsa is not None for op in ops), f"{family}: SCSA never ran"
+        layers = sparse_layers(policy)
+        assert layers and sorted(stream_layers(_decoded.last_cache)) == layers, f"{family}: SCSA never ran"
     else:
         assert W in policy.windows and all(lp.sinks == S for lp in policy.layers if lp.window == W)
 

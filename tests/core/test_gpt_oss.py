@@ -46,7 +46,7 @@ def test_gpt_oss_sparse_decode_with_learned_sinks():
     from longattn.engine.static_step import StaticDecoder
     from longattn.policy import AttentionPolicy
     from longattn.sparse import SCSAConfig
-    from longattn.sparse.policy import build_sparse_policy, sparse_ops
+    from longattn.sparse.policy import build_sparse_policy, stream_layers
     from conftest import tiny_model
     from tolerance import LOGIT_FLOOR, assert_within_derived
     m, m64 = tiny_model("gpt_oss"), tiny_model("gpt_oss", dtype=torch.float64)
@@ -56,17 +56,21 @@ def test_gpt_oss_sparse_decode_with_learned_sinks():
     scsa = SCSAConfig(cluster_size=16, rebuild_interval=64, block_size=128, recent=8, sink=2, min_context=0,
                       outliers=0, dense_when_cheaper=False, packing="f32", calib_steps=0, tau_default=0.0)
 
-    def decode(model, policy):
+    def decode(model, policy, keep=None):
         s = Session(model, policy)
         out = [s.prefill(prompt)[:, 0]]
         out += [s.step(t.view(1)) for t in steps]
+        if keep is not None:
+            keep.append(s.cache)
         return torch.cat(out)
 
     # the checkpoint's windows stay on its windowed layers; its global layer goes sparse
     ref, dense = decode(m64, AttentionPolicy.from_config(m64.config)), decode(m, AttentionPolicy.from_config(m.config))
     pol = build_sparse_policy(m.config, scsa)
-    sparse = decode(m, pol)
-    assert all(op.scsa.counters["opened_rows"] > 0 for op in sparse_ops(pol))  # SCSA really ran
+    caches = []
+    sparse = decode(m, pol, caches)
+    ran = stream_layers(caches[0])
+    assert ran and all(sc.counters["opened_rows"] > 0 for sc in ran.values())  # SCSA really ran
     assert_within_derived(sparse, dense, ref, floor=LOGIT_FLOOR, what="eager sparse")
     dec = StaticDecoder(m, build_sparse_policy(m.config, scsa), max_len=320, compile=False)
     out = [dec.prefill(prompt)[:, 0]] + [dec.step(t.view(1)) for t in steps]

@@ -142,28 +142,31 @@ def test_mask_memo_shared_across_layers_fresh_per_step():
     s, ref = Session(m, pol), Session(m, ref_pol)
     got, want = s.prefill(ids), ref.prefill(ids)
     assert torch.equal(got, want)
-    assert (pol.masks.misses, pol.masks.hits) == (groups, L - groups)
+    memo = s.cache.masks  # the cache's: it lives as long as the streams whose positions it holds
+    assert (memo.misses, memo.hits) == (groups, L - groups)
     for t in range(3):  # positions 14, 15, 16
         tok = ids_for(1, 1, seed=10 + t)[:, 0]
-        ref_pol.masks.clear()
+        ref.cache.masks.clear()
         want = ref.step(tok)
-        misses, hits = pol.masks.misses, pol.masks.hits
+        misses, hits = memo.misses, memo.hits
         assert torch.equal(s.step(tok), want)
-        assert (pol.masks.misses - misses, pol.masks.hits - hits) == (groups, L - groups)
+        assert (memo.misses - misses, memo.hits - hits) == (groups, L - groups)
 
 
 def test_mask_memo_sees_positions_rewritten_in_place():
     """The same tensor objects with new values (as a cache writes its slots) build a new mask."""
-    from longattn.policy import LayerPolicy, WindowOp
+    from longattn.ops.attention import MaskMemo, WindowOp
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, n, 8, generator=g) for n in (1, 10, 10))
     q_pos, k_pos = torch.tensor([[9]]), torch.arange(10)[None]
-    op = WindowOp(LayerPolicy("window", 4, 1), fused_decode=False)  # the masked (memo) path
-    before = op(q, q_pos, KVView(k, v, k_pos, k, v), scale=0.35)
+    op = WindowOp(4, 1, fused_decode=False)  # the masked (memo) path
+    memo = MaskMemo()
+    before = op(q, q_pos, KVView(k, v, k_pos, k, v, {}, memo), scale=0.35)
     q_pos.add_(1)
     k_pos.add_(1)
-    after = op(q, q_pos, KVView(k, v, k_pos, k, v), scale=0.35)
-    assert op.masks.misses == 2 and op.masks.hits == 0
-    assert torch.equal(after, WindowOp(op.lp, fused_decode=False)(q, q_pos, KVView(k, v, k_pos, k, v), scale=0.35))
+    after = op(q, q_pos, KVView(k, v, k_pos, k, v, {}, memo), scale=0.35)
+    assert memo.misses == 2 and memo.hits == 0
+    assert torch.equal(after, op(q, q_pos, KVView(k, v, k_pos, k, v), scale=0.35))  # no memo: built afresh
     assert not torch.equal(after, before)
-    assert torch.equal(op(q, q_pos, KVView(k, v, k_pos.clone(), k, v), scale=0.35), after) and op.masks.hits == 1
+    assert torch.equal(op(q, q_pos, KVView(k, v, k_pos.clone(), k, v, {}, memo), scale=0.35), after)
+    assert memo.hits == 1

@@ -121,7 +121,7 @@ def test_unset_equals_dense_bit_for_bit(kind, cache_kind, path):
 @pytest.mark.parametrize("cache_kind", CACHE_KINDS)
 @pytest.mark.parametrize("kind", OP_KINDS)
 def test_paths_agree(kind, cache_kind):
-    """Chunked prefill and step decode (a fresh policy each, so no op state is shared) within
+    """Chunked prefill and step decode (each in its own cache, which holds the ops' state) within
     the derived tolerance of the full forward's error against the float64 model."""
     if (models := models_for(kind, cache_kind)) is None:
         return

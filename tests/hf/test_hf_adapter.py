@@ -338,20 +338,20 @@ def test_banded_prefill_served_through_the_attention_function(monkeypatch):
 def test_sparse_scsa_cache_served_through_the_attention_function(family):
     """SCSA decode inside transformers: with tau 0 it equals the checkpoint's attention within
     the sparse model test's bound (twice the dense float32 error against float64, plus 1e-6),
-    and it really read through clusters; a policy already holding an index is refused. gpt-oss:
+    and it really read through clusters, in the cache apply() returned. gpt-oss:
     SCSA on its global layer, transformers' learned sink logits passed through to it."""
     from longattn.sparse import SCSAConfig
-    from longattn.sparse.policy import build_sparse_policy, sparse_ops
+    from longattn.sparse.policy import build_sparse_policy, stream_layers
     small = dict(cluster_size=16, rebuild_interval=64, block_size=256, recent=8, sink=2, min_context=0,
                  outliers=2, dense_when_cheaper=False, packing="f32", calib_steps=0, tau_default=0.0)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 96, (300,), generator=g).tolist()
     hf = hf_model(family)
     pol = build_sparse_policy(lh.model_config(hf.config), SCSAConfig(**small))
-    tokens, ours = hf_greedy(hf, lh.apply(hf, pol), prompt, 8)
-    assert all(op.scsa.counters["opened_rows"] > 0 for op in sparse_ops(pol))
-    with pytest.raises(LongattnError, match="fresh policy"):
-        lh.apply(hf, pol)
+    cache = lh.apply(hf, pol)
+    tokens, ours = hf_greedy(hf, cache, prompt, 8)
+    ran = stream_layers(cache)
+    assert ran and all(sc.counters["opened_rows"] > 0 for sc in ran.values())
     lh.detach(hf)
     dense = {}
     for dt in (torch.float32, torch.float64):

@@ -14,7 +14,7 @@ from longattn.cache.base import KVView
 from longattn.ops import native
 from longattn.ops.masks import allowed_mask
 from longattn.ops.reference import reference_attention
-from longattn.policy import AttentionPolicy, LayerPolicy, WindowOp
+from longattn.policy import AttentionPolicy, WindowOp
 from longattn.engine.session import Session
 from conftest import tiny_model
 from tolerance import assert_within_derived, ulps
@@ -36,9 +36,8 @@ def case(B, H, Hkv, N, cap, D, seed, ring=False, empty=0.0):
 
 def check(q, k, v, k_pos, q_pos, window, sinks):
     scale = q.shape[-1] ** -0.5
-    lp = LayerPolicy("window", window, sinks)
-    fused = WindowOp(lp)(q, q_pos, KVView(k, v, k_pos, k, v), scale)
-    plain = WindowOp(lp, fused_decode=False)(q, q_pos, KVView(k, v, k_pos, k, v), scale)
+    fused = WindowOp(window, sinks)(q, q_pos, KVView(k, v, k_pos, k, v), scale)
+    plain = WindowOp(window, sinks, fused_decode=False)(q, q_pos, KVView(k, v, k_pos, k, v), scale)
     mask = allowed_mask(q_pos, k_pos, window, sinks)
     ref = reference_attention(q.double(), k.double(), v.double(), mask, scale)
     assert_within_derived(fused, plain, ref, floor=ulps(2, v.abs().max().item()))  # exp polynomial
@@ -63,8 +62,8 @@ def test_padding_stream_outputs_zeros():
 
 def test_unset_window_equals_a_window_wider_than_the_context():
     q, k, v, k_pos, q_pos = case(2, 6, 2, 400, 512, 64, 4)
-    a = WindowOp(LayerPolicy("window", None, 0))(q, q_pos, KVView(k, v, k_pos, k, v), 0.125)
-    b = WindowOp(LayerPolicy("window", 10_000, 0))(q, q_pos, KVView(k, v, k_pos, k, v), 0.125)
+    a = WindowOp(None)(q, q_pos, KVView(k, v, k_pos, k, v), 0.125)
+    b = WindowOp(10_000)(q, q_pos, KVView(k, v, k_pos, k, v), 0.125)
     assert torch.equal(a, b)
 
 

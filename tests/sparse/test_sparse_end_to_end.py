@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from conftest import tiny_model
+from longattn.cache import KVView
 from longattn.engine.session import Session
-from longattn.sparse import SCSAConfig, SCSALayer
-from longattn.sparse.policy import build_sparse_policy, policy_taus, sparse_ops
+from longattn.sparse import SCSAConfig
+from longattn.sparse.policy import build_sparse_policy, cache_taus, sparse_layers, stream_layers
 from longattn.sparse.tau_cache import load_cached_taus, store_taus, tau_cache_path
 from sparse_fixtures import assert_same_index
 
@@ -26,14 +27,16 @@ SELECTION = ("opened_rows", "exact_rows", "outlier_rows", "clusters_scored", "ca
 
 
 def _run(model, policy, prompt, steps, chunk=64):
-    """Logits ``[1 + len(steps), V]`` and, per sparse layer, whether the prefill sealed blocks."""
+    """Logits ``[1 + len(steps), V]``, per sparse layer whether the prefill sealed blocks, and
+    the session's cache."""
     s = Session(model, policy)
     out = [s.prefill([prompt], chunk=chunk)[:, 0]]
-    sealed = [op.scsa is not None and op.scsa.indexes and op.scsa.indexes[0].frozen_blocks > 0
-              for op in sparse_ops(policy)]
+    held = stream_layers(s.cache)
+    sealed = [i in held and bool(held[i].indexes) and held[i].indexes[0].frozen_blocks > 0
+              for i in sparse_layers(policy)]
     for t in steps:
         out.append(s.step(torch.tensor([t])))
-    return torch.cat(out), sealed
+    return torch.cat(out), sealed, s.cache
 
 
 @pytest.mark.parametrize("calib_steps", [0, 4])
@@ -44,24 +47,28 @@ def test_index_grown_during_prefill_equals_one_built_after(calib_steps):
     steps = torch.randint(0, 96, (12,), generator=g).tolist()
     during = build_sparse_policy(m.config, SCSAConfig(**SMALL, calib_steps=calib_steps, index_in_prefill=True))
     after = build_sparse_policy(m.config, SCSAConfig(**SMALL, calib_steps=calib_steps, index_in_prefill=False))
-    a, sealed_a = _run(m, during, prompt, steps)
-    b, sealed_b = _run(m, after, prompt, steps)
+    a, sealed_a, cache_a = _run(m, during, prompt, steps)
+    b, sealed_b, cache_b = _run(m, after, prompt, steps)
     assert all(sealed_a) and not any(sealed_b)  # the prefill really built the blocks, or did not
     assert torch.equal(a, b)
-    for x, y in zip(sparse_ops(during), sparse_ops(after)):
-        assert_same_index(x.scsa.indexes[0], y.scsa.indexes[0])
-        assert {k: x.scsa.counters[k] for k in SELECTION} == {k: y.scsa.counters[k] for k in SELECTION}
-        assert x.scsa.counters["opened_rows"] > 0
-        assert x.scsa.seconds["index_prefill"] > 0 and y.scsa.seconds["index_prefill"] == 0
-        assert x.scsa.tau_values() == y.scsa.tau_values()
+    la, lb = stream_layers(cache_a), stream_layers(cache_b)
+    assert sorted(la) == sorted(lb) == sparse_layers(during)
+    for i in la:
+        x, y = la[i], lb[i]
+        assert_same_index(x.indexes[0], y.indexes[0])
+        assert {k: x.counters[k] for k in SELECTION} == {k: y.counters[k] for k in SELECTION}
+        assert x.counters["opened_rows"] > 0
+        assert x.seconds["index_prefill"] > 0 and y.seconds["index_prefill"] == 0
+        assert x.tau_values() == y.tau_values()
 
 
 def test_prefill_builds_nothing_below_min_context():
     m = tiny_model("llama")
     prompt = torch.randint(0, 96, (600,), generator=torch.Generator().manual_seed(2)).tolist()
     pol = build_sparse_policy(m.config, SCSAConfig(**{**SMALL, "min_context": 10_000}))
-    Session(m, pol).prefill([prompt], chunk=64)
-    assert all(op.scsa is None for op in sparse_ops(pol))
+    s = Session(m, pol)
+    s.prefill([prompt], chunk=64)
+    assert stream_layers(s.cache) == {}
 
 
 @pytest.fixture
@@ -77,23 +84,25 @@ def test_cached_taus_are_the_calibrated_ones_and_decide_alike(cache):
     steps = torch.randint(0, 96, (8,), generator=g).tolist()
     cfg = SCSAConfig(**SMALL, calib_steps=4)
     calibrated = build_sparse_policy(m.config, cfg)
-    _run(m, calibrated, prompt, steps)
+    _, _, cal_cache = _run(m, calibrated, prompt, steps)
     path = tau_cache_path("weights-key", "int8", calibrated)
-    assert store_taus(path, calibrated)
-    reused = build_sparse_policy(m.config, cfg)
-    assert load_cached_taus(path, reused, m.config)
-    assert policy_taus(reused) == policy_taus(calibrated)
-    assert all(op.scsa.calibrated for op in sparse_ops(reused))
-    # same inputs, same decisions: each reused layer against the layer that calibrated them
+    assert store_taus(path, calibrated, cal_cache)
+    reused = load_cached_taus(path, build_sparse_policy(m.config, cfg), m.config)
+    assert reused is not None
+    assert {i: list(lp.taus) for i, lp in enumerate(reused.layers)} == cache_taus(cal_cache)
+    # same inputs, same decisions: each layer a reused policy makes against the one that calibrated
     q = torch.randn(1, 4, 1, 16, generator=g)
     k, v = torch.randn(1, 2, 700, 16, generator=g), torch.randn(1, 2, 700, 16, generator=g)
-    for a, b in zip(sparse_ops(calibrated), sparse_ops(reused)):
-        a.scsa.reset()
-        fresh_counts = dict(b.scsa.counters)
-        before = dict(a.scsa.counters)
-        assert torch.equal(a.scsa.attend(q, k, v, 0.25), b.scsa.attend(q, k, v, 0.25))
-        assert {n: a.scsa.counters[n] - before[n] for n in SELECTION} == \
-            {n: b.scsa.counters[n] - fresh_counts[n] for n in SELECTION}
+    view = KVView(k, v, torch.arange(700)[None], k[:, :, -1:], v[:, :, -1:], {})
+    for i, a in stream_layers(cal_cache).items():
+        b = reused.op(i).scsa(view._replace(state={}), 4)
+        assert b.calibrated and b.calibrator.calls == 0
+        a.reset()
+        fresh_counts = dict(b.counters)
+        before = dict(a.counters)
+        assert torch.equal(a.attend(q, k, v, 0.25), b.attend(q, k, v, 0.25))
+        assert {n: a.counters[n] - before[n] for n in SELECTION} == \
+            {n: b.counters[n] - fresh_counts[n] for n in SELECTION}
 
 
 def test_taus_of_another_setting_or_model_are_not_reused(cache):
@@ -105,8 +114,9 @@ def test_taus_of_another_setting_or_model_are_not_reused(cache):
     assert tau_cache_path("a", "int8", p1) != tau_cache_path("b", "int8", p1)
     assert tau_cache_path("a", "int8", p1) != tau_cache_path("a", "int4", p1)
     assert tau_cache_path("a", "int8", p1) == tau_cache_path("a", "int8", p3)  # wiring only
-    assert not store_taus(tau_cache_path("a", "int8", p1), p1)  # nothing calibrated yet: nothing kept
-    assert not load_cached_taus(tau_cache_path("a", "int8", p1), p1, m.config)
+    empty = Session(m, p1).cache
+    assert not store_taus(tau_cache_path("a", "int8", p1), p1, empty)  # nothing calibrated yet: nothing kept
+    assert load_cached_taus(tau_cache_path("a", "int8", p1), p1, m.config) is None
 
 
 def test_a_damaged_tau_file_is_ignored(cache):
@@ -115,10 +125,9 @@ def test_a_damaged_tau_file_is_ignored(cache):
     path = tau_cache_path("a", "int8", pol)
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
-    assert not load_cached_taus(path, pol, m.config)
+    assert load_cached_taus(path, pol, m.config) is None
     path.write_text(json.dumps({"0:0": 0.1}))  # a layer missing
-    assert not load_cached_taus(path, pol, m.config)
-    assert all(op.scsa is None or not op.scsa.calibrated for op in sparse_ops(pol))
+    assert load_cached_taus(path, pol, m.config) is None
 
 
 def test_generate_sparse_keeps_its_taus_for_the_next_run(tmp_path, monkeypatch, capsys):

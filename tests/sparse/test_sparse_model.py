@@ -10,7 +10,8 @@ from longattn.errors import LongattnError
 from longattn.policy import AttentionPolicy
 from longattn.engine.session import Session
 from longattn.sparse import SCSAConfig
-from longattn.sparse.policy import build_sparse_policy, save_taus, sparse_ops
+from longattn.sparse.policy import (build_sparse_policy, cache_taus, retune, save_taus, stream_layers,
+                                     with_taus)
 from tolerance import LOGIT_FLOOR, assert_within_derived
 
 # dense_when_cheaper off: tiny caches would send every layer to its dense read (test_sparse_cost.py)
@@ -18,12 +19,19 @@ SMALL = dict(cluster_size=16, rebuild_interval=64, block_size=256, recent=8, sin
              dense_when_cheaper=False)
 
 
-def _decode(model, policy, prompt, steps):
+def _run(model, policy, prompt, steps, before_steps=None):
+    """(logits ``[steps+1, V]``, the session's cache); ``before_steps(cache)`` runs after the prefill."""
     s = Session(model, policy)
     out = [s.prefill([prompt])[:, 0]]
+    if before_steps is not None:
+        before_steps(s.cache)
     for t in steps:
         out.append(s.step(torch.tensor([t])))
-    return torch.cat(out)  # [steps+1, V]
+    return torch.cat(out), s.cache
+
+
+def _decode(model, policy, prompt, steps):
+    return _run(model, policy, prompt, steps)[0]
 
 
 def test_tau_zero_sparse_decode_equals_dense():
@@ -33,12 +41,12 @@ def test_tau_zero_sparse_decode_equals_dense():
     prompt = torch.randint(0, 96, (400,), generator=g).tolist()
     steps = torch.randint(0, 96, (12,), generator=g).tolist()
     pol = build_sparse_policy(m.config, SCSAConfig(**SMALL, packing="f32", calib_steps=0, tau_default=0.0))
-    sparse = _decode(m, pol, prompt, steps)
+    sparse, cache = _run(m, pol, prompt, steps)
     dense = _decode(m, AttentionPolicy.from_config(m.config), prompt, steps)
     ref = _decode(m64, AttentionPolicy.from_config(m64.config), prompt, steps)
-    ops = sparse_ops(pol)
-    assert len(ops) == m.config.num_layers
-    assert all(op.scsa.counters["opened_rows"] > 0 for op in ops)  # really went through clusters
+    layers = stream_layers(cache)
+    assert len(layers) == m.config.num_layers
+    assert all(sc.counters["opened_rows"] > 0 for sc in layers.values())  # really went through clusters
     assert_within_derived(sparse, dense, ref, floor=LOGIT_FLOOR)
 
 
@@ -48,12 +56,12 @@ def test_calibrated_sparse_decode_is_close_and_saves_taus(tmp_path):
     prompt = torch.randint(0, 96, (700,), generator=g).tolist()
     steps = torch.randint(0, 96, (10,), generator=g).tolist()
     pol = build_sparse_policy(m.config, SCSAConfig(**SMALL, calib_steps=4))
-    sparse = _decode(m, pol, prompt, steps)
+    sparse, cache = _run(m, pol, prompt, steps)
     dense = _decode(m, AttentionPolicy.from_config(m.config), prompt, steps)
-    assert all(op.scsa.calibrated for op in sparse_ops(pol))
+    assert all(sc.calibrated for sc in stream_layers(cache).values())
     rel = ((sparse - dense).norm(dim=-1) / dense.norm(dim=-1)).max().item()
     assert rel < 0.1, rel
-    save_taus(pol, tmp_path / "taus.json")
+    save_taus(cache, tmp_path / "taus.json")
     taus = json.loads((tmp_path / "taus.json").read_text())
     assert set(taus) == {f"{l}:{h}" for l in range(3) for h in range(2)}
 
@@ -65,29 +73,28 @@ def test_unmet_tolerance_attends_exactly(tmp_path):
     layer's own dense op; calibration steps use SCSA's exact path, another kernel, so the
     calibrating policy itself is only close). Without exact_when_unmet the same layers run
     sparse at the smallest tau and differ from dense."""
-    from longattn.sparse.policy import policy_taus, preset_taus
     m = tiny_model("llama")
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, 96, (700,), generator=g).tolist()
     steps = torch.randint(0, 96, (8,), generator=g).tolist()
     dense = _decode(m, AttentionPolicy.from_config(m.config), prompt, steps)
     pol = build_sparse_policy(m.config, SCSAConfig(**SMALL, calib_steps=4, tolerance=1e-9))
-    out = _decode(m, pol, prompt, steps)
+    out, cache = _run(m, pol, prompt, steps)
     assert ((out - dense).norm(dim=-1) / dense.norm(dim=-1)).max().item() < 1e-5
-    ops = sparse_ops(pol)
-    assert all(op.scsa.counters["calls"] == len(steps) for op in ops)  # every call counted
-    assert all(op.scsa.calibrated and bool(op.scsa.exact_heads.all()) for op in ops)
-    assert all(op.scsa.counters["opened_rows"] == 0 for op in ops)
-    taus = policy_taus(pol)
+    layers = stream_layers(cache).values()
+    assert all(sc.counters["calls"] == len(steps) for sc in layers)  # every call counted
+    assert all(sc.calibrated and bool(sc.exact_heads.all()) for sc in layers)
+    assert all(sc.counters["opened_rows"] == 0 for sc in layers)
+    taus = cache_taus(cache)
     assert all(t == [None] * m.config.num_kv_heads for t in taus.values())
-    save_taus(pol, tmp_path / "taus.json")
+    save_taus(cache, tmp_path / "taus.json")
     assert all(v is None for v in json.loads((tmp_path / "taus.json").read_text()).values())
-    fresh = build_sparse_policy(m.config, SCSAConfig(**SMALL, calib_steps=4, tolerance=1e-9))
-    preset_taus(fresh, m.config, taus)
+    fresh = with_taus(build_sparse_policy(m.config, SCSAConfig(**SMALL, calib_steps=4, tolerance=1e-9)), taus)
     assert torch.equal(_decode(m, fresh, prompt, steps), dense)
     off = build_sparse_policy(m.config, SCSAConfig(**SMALL, calib_steps=4, tolerance=1e-9, exact_when_unmet=False))
-    assert not torch.equal(_decode(m, off, prompt, steps), dense)
-    assert all(op.scsa.counters["opened_rows"] > 0 for op in sparse_ops(off))
+    out_off, cache_off = _run(m, off, prompt, steps)
+    assert not torch.equal(out_off, dense)
+    assert all(sc.counters["opened_rows"] > 0 for sc in stream_layers(cache_off).values())
 
 
 def test_gemma3_sparse_defaults_to_global_layers():
@@ -112,33 +119,34 @@ def test_sparse_layer_out_of_range():
         build_sparse_policy(m.config, layers=[7])
 
 
-def test_retune_and_preset_taus():
-    """retune re-picks every layer's taus from its calibration; preset_taus hands them to a new
-    policy whose decode skips calibration and equals the calibrated policy's decode."""
-    from longattn.sparse.policy import policy_taus, preset_taus, retune
+def test_retune_and_with_taus():
+    """retune re-picks every layer's taus from its calibration; with_taus puts them in a new
+    policy, whose streams skip calibration and decode as a calibrated stream given the same taus."""
     m = tiny_model("llama")
     g = torch.Generator().manual_seed(2)
     prompt = torch.randint(0, 96, (700,), generator=g).tolist()
     steps = torch.randint(0, 96, (8,), generator=g).tolist()
-    pol = build_sparse_policy(m.config, SCSAConfig(**SMALL, calib_steps=4))
-    _decode(m, pol, prompt, steps[:5])  # 4 calibration steps (the prefill's last token is not a step)
-    assert all(op.scsa.calibrated for op in sparse_ops(pol))
-    loose = retune(pol, 0.5)
-    tight = retune(pol, 1e-9)
-    for op in sparse_ops(pol):
-        li = op.layer_index
-        assert loose[li] == op.scsa.calibrator.choose(op.cfg.tau_default, 0.5).tolist()
+    cfg = SCSAConfig(**SMALL, calib_steps=4)
+    pol = build_sparse_policy(m.config, cfg)
+    _, cache = _run(m, pol, prompt, steps[:5])  # 4 calibration steps (the prefill's last token is not a step)
+    layers = stream_layers(cache)
+    assert layers and all(sc.calibrated for sc in layers.values())
+    loose = retune(cache, 0.5)
+    tight = retune(cache, 1e-9)
+    for li, sc in layers.items():
+        assert loose[li] == sc.calibrator.choose(cfg.tau_default, 0.5).tolist()
         # no tau meets 1e-9 (q8_0 rounding alone misses it): every head attends exactly
         assert tight[li] == [None] * len(loose[li])
-    taus = retune(pol, 0.025)
-    fresh = build_sparse_policy(m.config, SCSAConfig(**SMALL, calib_steps=4))
-    preset_taus(fresh, m.config, taus)
-    assert policy_taus(fresh) == taus
-    for op in sparse_ops(pol):
-        op.scsa.reset()
-    a = _decode(m, pol, prompt, steps)
-    b = _decode(m, fresh, prompt, steps)
+    taus = retune(cache, 0.025)
+    fresh = with_taus(build_sparse_policy(m.config, cfg), taus)
+    assert {i: list(lp.taus) for i, lp in enumerate(fresh.layers)} == taus
+
+    def set_in_place(c):  # the calibrating policy's own layers, handed the same taus
+        for i, sc in stream_layers(c).items():
+            sc.set_taus(taus[i])
+    a, _ = _run(m, pol, prompt, steps, before_steps=set_in_place)
+    b, fresh_cache = _run(m, fresh, prompt, steps)
     assert torch.equal(a, b)
-    assert all(op.scsa.calibrator.calls == 0 for op in sparse_ops(fresh))
+    assert all(sc.calibrator.calls == 0 for sc in stream_layers(fresh_cache).values())
     with pytest.raises(LongattnError, match="tolerance"):
-        retune(pol, 0.0)
+        retune(cache, 0.0)

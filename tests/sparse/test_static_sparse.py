@@ -22,7 +22,7 @@ from longattn.models import build_model
 from longattn.policy import AttentionPolicy
 from longattn.engine.session import Session
 from longattn.sparse import SCSAConfig
-from longattn.sparse.policy import build_sparse_policy, sparse_ops
+from longattn.sparse.policy import build_sparse_policy, stream_layers
 from longattn.engine.static_step import StaticDecoder
 from model_paths import ids_for
 from tolerance import derived_bound, max_err, ulps
@@ -77,7 +77,7 @@ def test_static_sparse_makes_the_eager_decisions(family, outliers, packing):
     dec = StaticDecoder(m, sparse_pol(m, outliers=outliers, packing=packing), max_len=ids.shape[1] + 1,
                         compile=False)
     st = static_logits(dec, ids, PROMPT)
-    eager_ops = {op.layer_index: op.scsa for op in sparse_ops(s.policy)}
+    eager_ops = stream_layers(s.cache)
     assert eager_ops, "no sparse layer ran"
     for layer, sc in eager_ops.items():
         (static_sc,) = dec.sparse.of_layer(layer)

@@ -14,6 +14,8 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from ..ops.attention import MaskMemo
+
 
 class KVView(NamedTuple):
     """What one layer's attention op reads after ``KVCache.update``.
@@ -23,8 +25,11 @@ class KVView(NamedTuple):
     new_k, new_v: ``[B, Hkv, T, D]`` this call's keys and values. The growing, ring and paged
         caches have stored them in ``k, v`` already; the static step's buffers have not (it
         writes them after the step), and its ops read them from here.
-    cached: False when no cache holds the keys (a one-shot forward): an op keeps no state for
-        a stream that will not continue.
+    state: the layer's per-stream runtime state, owned by the cache so that it lives and dies
+        with the streams (an op keeps e.g. SCSA's index and calibrated taus here under a key of
+        its own); None when no cache holds the keys (a one-shot forward), where an op keeps none.
+    masks: an ``ops.attention.MaskMemo`` shared by the layers of one cache (or of one forward
+        without a cache), so layers with the same window build their mask once.
     """
 
     k: torch.Tensor
@@ -32,12 +37,18 @@ class KVView(NamedTuple):
     positions: torch.Tensor
     new_k: torch.Tensor
     new_v: torch.Tensor
-    cached: bool = True
+    state: Optional[dict] = None
+    masks: Optional[object] = None
+
+    @property
+    def cached(self) -> bool:
+        """True when a cache holds these keys for the stream's next calls."""
+        return self.state is not None
 
     @classmethod
-    def uncached(cls, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> "KVView":
-        """The view of a forward without a cache: the call's own keys, nothing kept."""
-        return cls(k, v, pos, k, v, False)
+    def uncached(cls, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, masks=None) -> "KVView":
+        """The view of a forward without a cache: the call's own keys, no state kept."""
+        return cls(k, v, pos, k, v, None, masks)
 
 
 class LayerCache:
@@ -139,12 +150,14 @@ class KVCache:
         self.layers = layers if layers is not None else [
             GrowingLayerCache(batch, cfg.num_kv_heads, cfg.head_dim, dtype) for _ in range(cfg.num_layers)]
         self.next_pos = torch.zeros(batch, dtype=torch.int64)
+        self.op_state = [{} for _ in self.layers]  # per layer: what its attention op keeps (KVView.state)
+        self.masks = MaskMemo()
 
     def update(self, layer: int, k, v, pos) -> KVView:
         """Store ``k, v [B, Hkv, T, D]`` at positions ``pos [B, T]`` in layer ``layer``; return
         what that layer's attention reads."""
         k_all, v_all, k_pos = self.layers[layer].update(k, v, pos)
-        return KVView(k_all, v_all, k_pos, k, v)
+        return KVView(k_all, v_all, k_pos, k, v, self.op_state[layer], self.masks)
 
     def advance(self, pos: torch.Tensor) -> None:
         """Record that positions ``pos [B, T]`` have been stored (called once per forward)."""

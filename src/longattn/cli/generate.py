@@ -102,6 +102,7 @@ def run(args) -> int:
                   f"the prompt ({len(ids)} tokens) plus --max-new-tokens {args.max_new_tokens}")
     model = model_for(ck, args)
     taus = SparseTaus(ck, model, policy, getattr(args, "sparse_calibrate", False))
+    policy = taus.policy  # with the kept taus on its sparse layers, when there are any
     auto = None
     if args.policy == "auto":
         policy, auto = taus.resolve_auto(ck.config, len(ids), args.max_new_tokens)
@@ -128,7 +129,7 @@ def run(args) -> int:
                    chunk=args.chunk, on_token=on_token)
     if not args.json:
         streamer.finish()
-    taus.finish()
+    taus.finish(session.cache)
     from ..ops import native
     n = res.new_tokens
     tps = n / res.decode_seconds if res.decode_seconds > 0 else float("nan")
@@ -139,13 +140,13 @@ def run(args) -> int:
                "kernels": "native" if native.available() else "reference", "compiled": bool(args.compile), "load_s": round(load_s, 3),
                "prefill_s": round(res.prefill_seconds, 3), "decode_s": round(res.decode_seconds, 3),
                "first_token_after_start_s": round(token_times[0], 2) if token_times else None,
-               "peak_rss_bytes": peak_rss_bytes(), **taus.report(),
+               "peak_rss_bytes": peak_rss_bytes(), **taus.report(session.cache),
                **({"auto": auto.report()} if auto is not None else {}),
                **({"token_ids": res.tokens[0], "token_times_s": [round(t, 3) for t in token_times]}
                   if args.token_trace else {}),
                "text": ck.tokenizer.decode(res.tokens[0], skip_special_tokens=True)}
     print(f"-- {ck.name}: {res.prompt_tokens} prompt + {n} new tokens, prefill {pps:.1f} tok/s, "
-          f"decode {tps:.1f} tok/s, cache {res.cache_bytes / 2**20:.2f} MiB{taus.summary()}",
+          f"decode {tps:.1f} tok/s, cache {res.cache_bytes / 2**20:.2f} MiB{taus.summary(session.cache)}",
           file=sys.stderr if args.json else sys.stdout)
     if args.json:
         emit_json(summary)
@@ -160,56 +161,55 @@ class SparseTaus:
     the sparse policy of ``--policy auto`` into the run's policy."""
 
     def __init__(self, ck, model, policy, calibrate: bool):
-        from ..sparse.policy import sparse_ops
+        from ..sparse.policy import sparse_layers
         self.policy, self.source, self.path = policy, None, None
-        if not sparse_ops(policy):
+        if not sparse_layers(policy):
             return
         self.source = "calibrated in this run"
         if ck.weights_key is not None:
             from ..sparse.tau_cache import load_cached_taus, tau_cache_path
             self.path = tau_cache_path(ck.weights_key, model.weights, policy)
-            if not calibrate and load_cached_taus(self.path, policy, ck.config):
-                self.source = "reused from the cache"
+            kept = None if calibrate else load_cached_taus(self.path, policy, ck.config)
+            if kept is not None:
+                self.policy, self.source = kept, "reused from the cache"
 
     def resolve_auto(self, cfg, prompt_tokens: int, new_tokens: int):
         """(the run's policy, the AutoChoice): SCSA kept on the layers ``sparse.auto.choose``
         picks for this prompt and ``new_tokens``, the checkpoint's attention elsewhere. Only
         taus reused from the cache can be chosen, so an auto run never calibrates."""
         from ..sparse import auto
-        from ..sparse.policy import policy_taus, preset_taus
         from ..sparse.tau_cache import cached_costs
         reused = self.source == "reused from the cache"
+        taus = {i: list(lp.taus) for i, lp in enumerate(self.policy.layers) if lp.taus is not None}
         choice = auto.choose(cfg, auto.candidate_layers(self.policy), prompt_tokens, new_tokens,
-                             self.policy.sparse_config.min_context, policy_taus(self.policy) if reused else None,
+                             self.policy.sparse_config.min_context, taus if reused else None,
                              cached_costs(self.path) if reused else None)
-        chosen = auto.restrict(self.policy, choice.sparse_layers)
+        chosen = auto.restrict(self.policy, choice.sparse_layers)  # keeps the chosen layers' taus
         if choice.sparse_layers:
-            taus = policy_taus(self.policy)
-            preset_taus(chosen, cfg, {layer: taus[layer] for layer in choice.sparse_layers})
             self.policy = chosen
         else:
             self.policy, self.source = chosen, None
         return chosen, choice
 
-    def finish(self) -> None:
-        """After the run: keep newly calibrated taus for the next run."""
+    def finish(self, cache) -> None:
+        """After the run over ``cache``: keep newly calibrated taus for the next run."""
         if self.source == "calibrated in this run" and self.path is not None:
             from ..sparse.tau_cache import store_taus
-            if not store_taus(self.path, self.policy):
+            if not store_taus(self.path, self.policy, cache):
                 self.source = "calibration unfinished (too few decode steps past min_context)"
 
-    def report(self) -> dict:
+    def report(self, cache) -> dict:
         if self.source is None:
             return {}
         from ..sparse.policy import sparse_seconds
-        secs = sparse_seconds(self.policy)
+        secs = sparse_seconds(self.policy, cache)
         return {"sparse": {"taus": self.source, "index_in_prefill_s": round(secs["index_prefill"], 3),
                            "index_in_decode_s": round(secs["index_decode"], 3),
                            "calibration_s": round(secs["calibration"], 3)}}
 
-    def summary(self) -> str:
+    def summary(self, cache) -> str:
         if self.source is None:
             return ""
-        s = self.report()["sparse"]
+        s = self.report(cache)["sparse"]
         return (f"; sparse taus {s['taus']}, index {s['index_in_prefill_s']:.2f} s in prefill + "
                 f"{s['index_in_decode_s']:.2f} s in decode, calibration {s['calibration_s']:.2f} s")

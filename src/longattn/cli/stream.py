@@ -42,12 +42,14 @@ def tokenize_text(tok, text: str, max_tokens=None, repeat: int = 1):
     return torch.tensor((base * reps)[:n], dtype=torch.int64)
 
 
-def stream_run(model, tok, ids, policy, args, quiet=False, desc="stream"):
+def stream_run(model, ids, policy, chunk: int = 256, cache_kind: str = "auto", reindex: bool = False,
+               quiet: bool = False, desc: str = "stream"):
+    """Score ``ids [N]`` through ``model`` under ``policy`` in bounded memory, with a progress
+    bar on stderr; returns lab.stream's StreamResult."""
     from tqdm import tqdm
     from ..cache.factory import make_cache
     from ..lab.stream import stream_score
-    cache = make_cache(model.config, policy, batch=1, kind=args.cache, model=model,
-                       reindex=getattr(args, "reindex", False))
+    cache = make_cache(model.config, policy, batch=1, kind=cache_kind, model=model, reindex=reindex)
     bar = tqdm(total=int(ids.numel()), unit="tok", desc=desc, disable=quiet, file=sys.stderr,
                dynamic_ncols=True)
 
@@ -55,7 +57,7 @@ def stream_run(model, tok, ids, policy, args, quiet=False, desc="stream"):
         bar.update(n)
         bar.set_postfix(bpt=f"{res.bits_per_token:.3f}", cache=f"{res.max_cache_bytes / 2**20:.1f}MiB",
                         rss=f"{res.peak_rss_bytes / 2**20:.0f}MiB")
-    res = stream_score(model, ids, policy, cache, chunk=args.chunk, on_chunk=on_chunk)
+    res = stream_score(model, ids, policy, cache, chunk=chunk, on_chunk=on_chunk)
     bar.close()
     return res
 
@@ -80,7 +82,7 @@ def run(args) -> int:
     check_token_ids(ck.config, ids.tolist())
     check_context(ck.config, policy, int(ids.numel()), args, f"the text ({ids.numel()} tokens)")
     model = model_for(ck, args)
-    res = stream_run(model, ck.tokenizer, ids, policy, args)
+    res = stream_run(model, ids, policy, args.chunk, args.cache, args.reindex)
     out = res.to_dict()
     out.update(model=ck.name, window=args.window, sinks=args.sinks, policy=args.policy,
                reindex=args.reindex, scored_positions="1..N-1", threads=args.threads)
@@ -99,12 +101,11 @@ def demo_compare(args) -> int:
     from ..policy import AttentionPolicy
     ck, model = load_model(args, progress=True)
     ids = tokenize_text(ck.tokenizer, book_body(), args.stream_tokens)
-    ns = argparse.Namespace(chunk=256, cache="auto", reindex=False)
     rows = []
     for label, pol in [(f"window {args.window} + {args.sinks} sinks",
                         AttentionPolicy.build(ck.config, "window", window=args.window, sinks=args.sinks)),
                        ("full attention", AttentionPolicy.build(ck.config, "checkpoint"))]:
-        res = stream_run(model, ck.tokenizer, ids, pol, ns, desc=label)
+        res = stream_run(model, ids, pol, desc=label)
         rows.append((label, res))
     print(f"\n== stream {len(ids)} tokens of Moby Dick through {ck.name}")
     print(f"{'policy':<24} {'bits/token':>10} {'tok/s':>8} {'cache MiB':>10}")

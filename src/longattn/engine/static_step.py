@@ -86,6 +86,9 @@ class StaticKV:
             self.vg.append(torch.zeros_like(self.kg[-1]))
             self.posg.append(torch.full((batch, cap + 1), -1, dtype=torch.int64))
         self.pending: dict = {}  # layer -> (k, v) of the step being traced/run
+        # per layer: what its op keeps (KVView.state); the sparse layers' SCSA state is the
+        # decoder's SparseState, which the compiled step reaches by key (sparse/static_op.py)
+        self.op_state = [{} for _ in policy.layers]
 
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in zip(self.kg, self.vg))
@@ -103,7 +106,7 @@ class StaticKV:
         (functionalized scatter)."""
         self.pending[layer] = (k, v)
         g, i = self.group_of[layer]
-        return KVView(self.kg[g][i], self.vg[g][i], self.posg[g], k, v)
+        return KVView(self.kg[g][i], self.vg[g][i], self.posg[g], k, v, self.op_state[layer])
 
     def stacked_pending(self) -> list:
         """Per group, the step's new keys and values stacked: ``([L_g, B, Hkv, 1, D], same)``."""
@@ -221,8 +224,9 @@ class StaticDecoder:
         if "sparse" in kinds and cfg.attn_softcap is not None:
             raise LongattnError("sparse layers with score soft-capping run in the eager Session only")
         from ..sparse import SCSAConfig
+        preset = {i: lp.taus for i, lp in enumerate(self.policy.layers) if lp.kind == "sparse" and lp.taus is not None}
         self.sparse = SparseState(self.policy.sparse_config or SCSAConfig(), cfg.num_heads, cfg.num_kv_heads,
-                                  cfg.head_dim) if "sparse" in kinds else None
+                                  cfg.head_dim, preset) if "sparse" in kinds else None
         static_kernel(attention)  # refuses an unknown name before any buffer is made
         self.batch, self.dynamic, self.attention = batch, dynamic, attention
         self._policy = _StaticPolicy(self.policy, attention, self.sparse)

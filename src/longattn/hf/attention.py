@@ -7,7 +7,7 @@ model's extra keyword arguments down to every attention call). It returns a fres
 ``generate``. transformers builds no mask for an implementation it does not know, so the
 attention masks by absolute positions itself: the positions the longattn cache layer
 recorded for this call's queries and for every key slot it returned (a ring returns keys out
-of position order), through the policy's own op (``policy.WindowOp``: masked SDPA, banded
+of position order), through the policy's own op (``ops.attention.WindowOp``: masked SDPA, banded
 prefill, the fused decode kernel).
 
 ``detach(model)`` undoes ``apply``; ``attached(model, ...)`` does both around a ``with`` block.

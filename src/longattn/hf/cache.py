@@ -99,10 +99,7 @@ class LongattnLayer(CacheLayerMixin):
         return self.seen + query_length, 0
 
     def reset(self) -> None:
-        self.owner.kv = None
-        op = self.owner.policy.op(self.index)
-        if getattr(op, "scsa", None) is not None:
-            op.scsa = None  # a sparse layer's index describes the stream being dropped
+        self.owner.kv = None  # and with it every op's state (a sparse layer's index)
         self.seen = 0
         self.q_pos = self.k_pos = self.view = None
         self.is_initialized = False
@@ -116,7 +113,7 @@ class LongattnLayer(CacheLayerMixin):
         inner = self.inner
         if inner is None:
             return
-        if getattr(self.owner.policy.op(self.index), "scsa", None) is not None:
+        if self.owner.kv.op_state[self.index]:  # a sparse layer's SCSA index for these streams
             raise LongattnError("a sparse layer's SCSA index cannot follow reordered or repeated streams "
                                 "(beam search); use greedy or sampled decoding")
         inner.k, inner.v, inner.pos = fn(inner.k), fn(inner.v), fn(inner.pos)
@@ -158,9 +155,6 @@ class LongattnCache(Cache):
         unknown = sorted({lp.kind for lp in policy.layers} - {"window", "sparse"})
         if unknown:
             raise LongattnError(f"longattn.hf serves window, dense and sparse layers; not {', '.join(unknown)}")
-        if any(getattr(op, "scsa", None) is not None for op in policy.ops):
-            raise LongattnError("this sparse policy already holds another stream's SCSA index: build a "
-                                "fresh policy for each cache")
         if shift and not any(lp.window for lp in policy.layers):
             raise LongattnError("the position shift needs a windowed layer: give the policy a window")
         self.hf_config = config

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from ..cache.base import KVView
 from ..config import ModelConfig
 from ..errors import LongattnError
+from ..ops.attention import MaskMemo, WindowOp
 from ..ops.linear import float_linear, gemv_kernel, prefill_sized, widened_linear
 from .rope import SEQ_DEPENDENT, apply_rope, inv_freq, rope_cos_sin, rope_frequencies
 from .weights import (INT4_GROUP, dequantize_int4, dequantize_int8, int4_applies, int4_matmul, int8_matmul,
@@ -270,21 +271,24 @@ class Attention(nn.Module):
         return (q.reshape(B, T, self.H, self.D), k.reshape(B, T, self.Hkv, self.D),
                 v.reshape(B, T, self.Hkv, self.D))
 
-    def forward(self, x, pos, cache, op, rope_cache=None):
+    def forward(self, x, pos, cache, op, shared=None):
         B, T, _ = x.shape
         q, k, v = self.project_qkv(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, h, T, D]
-        if rope_cache is not None and self.rope_key in rope_cache:
-            cos, sin = rope_cache[self.rope_key]
+        if shared is not None and self.rope_key in shared:
+            cos, sin = shared[self.rope_key]
         else:
             cos, sin = self.rope(pos)
-            if rope_cache is not None:
-                rope_cache[self.rope_key] = (cos, sin)
+            if shared is not None:
+                shared[self.rope_key] = (cos, sin)
         q = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype))
         k = apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
-        view = cache.update(self.layer, k, v, pos) if cache is not None else KVView.uncached(k, v, pos)
+        if cache is not None:
+            view = cache.update(self.layer, k, v, pos)
+        else:
+            view = KVView.uncached(k, v, pos, None if shared is None else shared.get("masks"))
         if self.sinks is None:
             o = op(q, pos, view, scale=self.scale, softcap=self.softcap)  # [B, H, T, D]
         else:
@@ -309,12 +313,12 @@ class Block(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, p1)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, p1)
 
-    def forward(self, x, pos, cache, op, rope_cache=None):
+    def forward(self, x, pos, cache, op, shared=None):
         if self.sandwich:  # Gemma: norm before and after each sub-layer
-            a = self.self_attn(self.input_layernorm(x), pos, cache, op, rope_cache)
+            a = self.self_attn(self.input_layernorm(x), pos, cache, op, shared)
             x = x + self.post_attention_layernorm(a)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self.self_attn(self.input_layernorm(x), pos, cache, op, rope_cache)
+        x = x + self.self_attn(self.input_layernorm(x), pos, cache, op, shared)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -369,21 +373,23 @@ class Transformer(nn.Module):
             logits: "all" -> ``[B, T, V]``; "last" -> ``[B, 1, V]`` (the last non-padding
                 position of each row); "none" -> hidden states ``[B, T, hidden]``.
         """
-        from ..policy import AttentionPolicy
         cfg = self.config
         B, T = ids.shape
         if pos is None:
             start = cache.next_position() if cache is not None else torch.zeros(B, 1, dtype=torch.int64)
             pos = start + torch.arange(T, dtype=torch.int64)  # [B, T]
-        if policy is None:
-            policy = AttentionPolicy.from_config(cfg)
+        # no policy: each layer's trained window (the checkpoint's own attention)
+        ops = [policy.op(i) for i in range(cfg.num_layers)] if policy is not None else \
+            [WindowOp(w) for w in cfg.layer_windows]
         # activations stay float32 (or float64 in reference runs) whatever the weight dtype
         x = self.model.embed_tokens(ids.clamp(min=0)).to(self.activation_dtype)
         if cfg.embed_scale != 1.0:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
-        rope_cache: dict = {}
+        # values every layer of this forward reuses: rope tables (by rope_key) and, without a
+        # cache to hold one, the mask memo
+        shared: dict = {} if cache is not None else {"masks": MaskMemo()}
         for i, block in enumerate(self.model.layers):
-            x = block(x, pos, cache, policy.op(i), rope_cache)
+            x = block(x, pos, cache, ops[i], shared)
         if cache is not None:
             cache.advance(pos)
         if logits == "none":

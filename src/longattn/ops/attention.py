@@ -290,3 +290,28 @@ def attend_buffer_and_self_flash(q, k, v, mask, k_new, v_new, self_ok, scale, si
     num = wb * o + wn * v_new.float()
     out = torch.where(den > 0, num / den.clamp(min=torch.finfo(den.dtype).tiny), torch.zeros_like(num))
     return out.to(q.dtype).reshape(B, H, 1, D)
+
+
+class WindowOp:
+    """Attention by absolute positions under one window and sinks (window None = dense causal)
+    over a ``KVView``; ``attend`` picks the kernel. It holds settings only: whatever it reuses
+    between calls (the mask memo) comes with the view.
+
+    ``banded_min_tokens`` None keeps every prefill off the banded path; ``fused_decode=False``
+    keeps decode steps on the matmul form (the fused kernel's reference)."""
+
+    # Learned per-head sink logits (gpt-oss) are honoured (``attend``).
+    learned_sinks = True
+
+    def __init__(self, window: Optional[int] = None, sinks: int = 0,
+                 banded_min_tokens: Optional[int] = BANDED_MIN_TOKENS, fused_decode: bool = True):
+        self.window, self.sinks = window, sinks
+        self.banded_min_tokens = banded_min_tokens
+        self.fused_decode = fused_decode and native.available()
+
+    def __call__(self, q, q_pos, view, scale, softcap=None, sink_logits=None):
+        """``q [B, H, Tq, D]`` at ``q_pos [B, Tq]`` over ``view`` (cache.base.KVView) ->
+        ``[B, H, Tq, D]``."""
+        return attend(q, q_pos, view.k, view.v, view.positions, self.window, self.sinks, scale, softcap,
+                      fused=self.fused_decode, banded_min_tokens=self.banded_min_tokens, masks=view.masks,
+                      sink_logits=sink_logits)

@@ -27,7 +27,7 @@ from typing import Optional
 
 from ..policy import AttentionPolicy, LayerPolicy
 from .cost import dense_cost
-from .policy import sparse_ops
+from .policy import sparse_layers
 
 # Sealing one cached token into one KV head's index, in dense row reads: 1.313 s (prefill) +
 # 0.892 s (decode) of index time for 17,408 tokens x 24 layers x 2 KV heads of Qwen2.5-0.5B
@@ -124,4 +124,4 @@ def restrict(policy: AttentionPolicy, layers: list) -> AttentionPolicy:
 
 def candidate_layers(policy: AttentionPolicy) -> list:
     """The layers ``policy`` runs SCSA on."""
-    return [op.layer_index for op in sparse_ops(policy)]
+    return sparse_layers(policy)

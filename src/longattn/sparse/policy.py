@@ -9,6 +9,7 @@ windowed layers keep their trained windows (or an imposed window + sinks).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Optional
 
 from ..errors import LongattnError
@@ -19,8 +20,15 @@ from .index import ClusterIndex
 from .layer import SCSALayer
 
 
+# the key under which a sparse layer keeps its SCSALayer in the cache's op state (KVView.state)
+STATE_KEY = "scsa"
+
+
 class SparseOp:
-    """Exact attention for prefill, SCSA for decode (one SCSALayer per model layer)."""
+    """Exact attention for prefill, SCSA for decode. Holds settings only: each stream's
+    SCSALayer (its index per row, calibrated taus, counters) lives in the cache's state for the
+    layer, so a new cache starts a new index and nothing has to guess whether a call belongs to
+    another sequence."""
 
     learned_sinks = True  # gpt-oss's sink logits reach the dense op and SCSA's normaliser
 
@@ -28,10 +36,20 @@ class SparseOp:
         self.lp = lp
         self.cfg = policy.sparse_config or SCSAConfig()
         self.layer_index = layer
-        self.scsa: Optional[SCSALayer] = None
         # Prefill, and decode below min_context, take the very same op as a dense layer
         # (bit-identical); SCSA only ever sees long decode steps.
-        self.dense = WindowOp(LayerPolicy("window", None, 0), None, policy.masks, policy.fused_decode)
+        self.dense = WindowOp(None, 0, None, policy.fused_decode)
+
+    def scsa(self, view, num_heads: int) -> SCSALayer:
+        """The SCSALayer this cache keeps for the layer (made on first use, with the policy's
+        frozen taus when it has them)."""
+        sc = view.state.get(STATE_KEY)
+        if sc is None:
+            sc = SCSALayer(self.cfg, num_heads, view.k.shape[1], view.k.shape[3], layer_index=self.layer_index)
+            if self.lp.taus is not None:
+                sc.set_taus(list(self.lp.taus))
+            view.state[STATE_KEY] = sc
+        return sc
 
     def __call__(self, q, q_pos, view, scale, softcap=None, sink_logits=None):
         """``q [B, H, Tq, D]`` over ``view`` (cache.base.KVView) -> ``[B, H, Tq, D]``."""
@@ -41,31 +59,28 @@ class SparseOp:
             out = self.dense(q, q_pos, view, scale, softcap, sink_logits)
             if Tq > 1 and view.cached and softcap is None and self.cfg.index_in_prefill \
                     and k.shape[2] >= self.cfg.min_context and not bool((k_pos < 0).any()):
-                self._grow_index(H, k, v)
+                self._grow_index(view, H)
             return out
-        if self.scsa is None:
-            self.scsa = SCSALayer(self.cfg, H, k.shape[1], D, layer_index=self.layer_index)
+        sc = self.scsa(view, H)
         # SCSA reads the append-only cache slot i = i-th token; padding slots would break that.
         if bool((k_pos < 0).any()):
             raise LongattnError("the sparse policy needs unpadded streams (one stream, or equal lengths)")
-        if self.scsa.runs_exact:  # no tau meets the tolerance here: the dense layer's own op
-            self.scsa.count_exact_call(B, k.shape[2])
+        if sc.runs_exact:  # no tau meets the tolerance here: the dense layer's own op
+            sc.count_exact_call(B, k.shape[2])
             return self.dense(q, q_pos, view, scale, softcap, sink_logits)
-        return self.scsa.attend(q, k, v, scale, sink_logits)
+        return sc.attend(q, k, v, scale, sink_logits)
 
-
-    def _grow_index(self, num_heads: int, k, v) -> None:
-        """Seal the full blocks of the prompt so far (``k, v [B, Hkv, N, D]``) into each row's
-        index, so the first decode step builds only the last, partial block. A layer that
-        attends exactly after calibration keeps no index (SCSALayer.attend), so it is skipped."""
+    def _grow_index(self, view, num_heads: int) -> None:
+        """Seal the full blocks of the prompt so far (``view.k, view.v [B, Hkv, N, D]``) into
+        each row's index, so the first decode step builds only the last, partial block. A layer
+        that attends exactly after calibration keeps no index (SCSALayer.attend), so it is skipped."""
         cfg = self.cfg
+        k, v = view.k, view.v
         B, Hkv, N, D = k.shape
         full = (N - cfg.sink - cfg.recent) // cfg.block_size
         if full < 1:
             return
-        if self.scsa is None:
-            self.scsa = SCSALayer(cfg, num_heads, Hkv, D, layer_index=self.layer_index)
-        layer = self.scsa
+        layer = self.scsa(view, num_heads)
         if layer.runs_exact:
             return
         if len(layer.indexes) != B:
@@ -123,58 +138,65 @@ def sparse_policy(cfg, args) -> AttentionPolicy:
     return build_sparse_policy(cfg, SCSAConfig(**kw), window=args.window, sinks=args.sinks)
 
 
-def sparse_ops(policy: AttentionPolicy) -> list:
-    """The SparseOp of every sparse layer (counters, taus)."""
-    return [op for op in policy.ops if isinstance(op, SparseOp)]
+def sparse_layers(policy: AttentionPolicy) -> list:
+    """The indices of the layers ``policy`` runs as "sparse"."""
+    return [i for i, lp in enumerate(policy.layers) if lp.kind == "sparse"]
 
 
-def policy_taus(policy: AttentionPolicy) -> dict:
-    """``{layer: [tau per KV head]}`` of every sparse layer that has run a decode step
-    (``None`` for a head that attends exactly)."""
-    return {op.layer_index: op.scsa.tau_values() for op in sparse_ops(policy) if op.scsa is not None}
+def stream_layers(cache) -> dict:
+    """``{layer: SCSALayer}`` of every sparse layer that ``cache`` (a KVCache, or a
+    ``longattn.hf`` cache) holds SCSA state for: indexes, taus, counters, seconds."""
+    cache = getattr(cache, "kv", cache)  # a longattn.hf cache holds its KVCache as .kv
+    if cache is None:
+        return {}
+    return {i: st[STATE_KEY] for i, st in enumerate(cache.op_state) if STATE_KEY in st}
 
 
-def retune(policy: AttentionPolicy, tolerance: float) -> dict:
+def cache_taus(cache) -> dict:
+    """``{layer: [tau per KV head]}`` of every sparse layer that has run in ``cache`` (``None``
+    for a head that attends exactly)."""
+    return {i: sc.tau_values() for i, sc in stream_layers(cache).items()}
+
+
+def retune(cache, tolerance: float) -> dict:
     """Re-pick every calibrated layer's taus for another ``tolerance`` from the errors its
-    calibration already recorded (same samples, no rerun); returns ``policy_taus``."""
+    calibration already recorded (same samples, no rerun); returns ``cache_taus``."""
     if not tolerance > 0:
         raise LongattnError(f"tolerance must be > 0, got {tolerance}")
-    for op in sparse_ops(policy):
-        if op.scsa is not None and op.scsa.calibrator.samples:
-            op.scsa.set_taus(op.scsa.choose_taus(tolerance))
-    return policy_taus(policy)
+    for sc in stream_layers(cache).values():
+        if sc.calibrator.samples:
+            sc.set_taus(sc.choose_taus(tolerance))
+    return cache_taus(cache)
 
 
-def preset_taus(policy: AttentionPolicy, cfg, taus: dict) -> None:
-    """Give every sparse layer of ``policy`` frozen ``taus`` (``{layer: [tau per KV head]}``, as
-    ``policy_taus`` returns) before its first step, so a new stream skips calibration."""
-    for op in sparse_ops(policy):
-        if op.layer_index not in taus:
-            raise LongattnError(f"no taus for sparse layer {op.layer_index}")
-        op.scsa = SCSALayer(op.cfg, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, layer_index=op.layer_index)
-        op.scsa.set_taus(taus[op.layer_index])
+def with_taus(policy: AttentionPolicy, taus: dict) -> AttentionPolicy:
+    """``policy`` with frozen ``taus`` (``{layer: [tau per KV head]}``, as ``cache_taus``
+    returns) on every sparse layer, so new streams skip calibration."""
+    layers = list(policy.layers)
+    for i in sparse_layers(policy):
+        if i not in taus:
+            raise LongattnError(f"no taus for sparse layer {i}")
+        layers[i] = replace(layers[i], taus=tuple(taus[i]))
+    return replace(policy, layers=tuple(layers))
 
 
-def save_taus(policy: AttentionPolicy, path) -> None:
-    """Write every sparse layer's taus that has run a decode step to the tau file ``path``
+def save_taus(cache, path) -> None:
+    """Write the taus of every sparse layer that has run in ``cache`` to the tau file ``path``
     (replacing it; ``SCSALayer.load_taus`` reads it back layer by layer)."""
     taus = {}
-    for op in sparse_ops(policy):
-        if op.scsa is not None:
-            taus.update(tau_io.layer_entries(op.layer_index, op.scsa.tau_values()))
+    for i, sc in stream_layers(cache).items():
+        taus.update(tau_io.layer_entries(i, sc.tau_values()))
     tau_io.write_taus(path, taus)
 
 
-def sparse_seconds(policy: AttentionPolicy) -> Optional[dict]:
-    """Seconds the sparse layers spent sealing blocks during prefill (``index_prefill``) and at
-    decode steps (``index_decode``), and in calibrating calls (``calibration``), summed over
-    layers; None without sparse layers."""
-    ops = sparse_ops(policy)
-    if not ops:
+def sparse_seconds(policy: AttentionPolicy, cache) -> Optional[dict]:
+    """Seconds ``cache``'s sparse layers spent sealing blocks during prefill (``index_prefill``)
+    and at decode steps (``index_decode``), and in calibrating calls (``calibration``), summed
+    over layers; None when ``policy`` has no sparse layer."""
+    if not sparse_layers(policy):
         return None
     out = {"index_prefill": 0.0, "index_decode": 0.0, "calibration": 0.0}
-    for op in ops:
-        if op.scsa is not None:
-            for k in out:
-                out[k] += op.scsa.seconds[k]
+    for sc in stream_layers(cache).values():
+        for k in out:
+            out[k] += sc.seconds[k]
     return out

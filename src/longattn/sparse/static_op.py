@@ -24,7 +24,7 @@ import weakref
 import torch
 
 from ..cache.base import KVView
-from ..policy import LayerPolicy, WindowOp
+from ..ops.attention import WindowOp
 from .config import SCSAConfig
 from .layer import SCSALayer
 
@@ -35,14 +35,16 @@ _KEYS = itertools.count()
 class SparseState:
     """The SCSA layers of one static decoder: ``layer(l, b)`` for model layer l, stream b."""
 
-    def __init__(self, cfg: SCSAConfig, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, cfg: SCSAConfig, num_heads: int, num_kv_heads: int, head_dim: int,
+                 taus: dict | None = None):
         self.cfg = cfg
+        self.taus = dict(taus or {})  # layer -> frozen taus its streams start with (LayerPolicy.taus)
         self.shape = (num_heads, num_kv_heads, head_dim)
         self.layers: dict = {}
         self.key = next(_KEYS)
         _STATES[self.key] = self
         # below min_context a sparse layer is a dense one: the dense layer's own op, as in the Session
-        self.dense = WindowOp(LayerPolicy("window", None, 0))
+        self.dense = WindowOp()
         self._positions = torch.arange(0).unsqueeze(0)  # [1, n] slot positions, grown as needed
 
     def positions(self, n: int) -> torch.Tensor:
@@ -54,7 +56,10 @@ class SparseState:
 
     def layer(self, layer: int, stream: int) -> SCSALayer:
         if (layer, stream) not in self.layers:
-            self.layers[(layer, stream)] = SCSALayer(self.cfg, *self.shape, layer_index=layer)
+            sc = SCSALayer(self.cfg, *self.shape, layer_index=layer)
+            if layer in self.taus:
+                sc.set_taus(list(self.taus[layer]))
+            self.layers[(layer, stream)] = sc
         return self.layers[(layer, stream)]
 
     def reset(self) -> None:

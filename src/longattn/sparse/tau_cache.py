@@ -4,7 +4,7 @@ A tau is a fraction of a query's attention mass, chosen per KV head from the err
 ``calib_steps`` decode calls; those calls attend exactly and replay the stop rule at every tau
 of the grid, which costs several dense steps each. The choice is kept in
 ``$LONGATTN_CACHE/taus/<key>.json`` (the tau-file format of taus.py) and given to the next run's
-layers before its first step (``preset_taus``); beside it, ``<key>.cost.json`` keeps each layer's
+layers before their first step (``policy.with_taus``); beside it, ``<key>.cost.json`` keeps each layer's
 predicted sparse / dense cost ratio at those taus, which ``--policy auto`` weighs (auto.py). The key hashes what the choice depends on: the
 model's weights (content key and weight recipe), the sparse layers and every SCSAConfig field
 but the wiring ones. Taus carry over between prompts of one model, not between models.
@@ -21,7 +21,7 @@ from ..checkpoint.paths import atomic_write_path, cache_root
 from ..errors import LongattnError
 from ..policy import AttentionPolicy
 from . import taus as tau_io
-from .policy import policy_taus, preset_taus, sparse_ops
+from .policy import cache_taus, sparse_layers, stream_layers, with_taus
 
 # SCSAConfig fields that change how a run is wired, not which taus calibration picks
 _WIRING = ("index_in_prefill",)
@@ -32,7 +32,7 @@ def tau_cache_path(weights_key: str, recipe: str, policy: AttentionPolicy) -> Pa
     cfg = dataclasses.asdict(policy.sparse_config)
     for f in _WIRING:
         cfg.pop(f, None)
-    layers = [op.layer_index for op in sparse_ops(policy)]
+    layers = sparse_layers(policy)
     text = json.dumps({"weights": weights_key, "recipe": recipe, "layers": layers, "scsa": cfg},
                       sort_keys=True, default=str)
     return cache_root() / "taus" / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
@@ -46,19 +46,15 @@ def cached_taus(path: Path, policy: AttentionPolicy, cfg) -> dict | None:
         return None
     try:
         data = tau_io.read_taus(str(path))
-        return {op.layer_index: [data[f"{op.layer_index}:{h}"] for h in range(cfg.num_kv_heads)]
-                for op in sparse_ops(policy)}
+        return {i: [data[f"{i}:{h}"] for h in range(cfg.num_kv_heads)] for i in sparse_layers(policy)}
     except (LongattnError, KeyError):
         return None
 
 
-def load_cached_taus(path: Path, policy: AttentionPolicy, cfg) -> bool:
-    """Give ``policy``'s sparse layers the taus kept at ``path``; False when there are none."""
+def load_cached_taus(path: Path, policy: AttentionPolicy, cfg) -> AttentionPolicy | None:
+    """``policy`` with the taus kept at ``path`` on its sparse layers; None when there are none."""
     taus = cached_taus(path, policy, cfg)
-    if taus is None:
-        return False
-    preset_taus(policy, cfg, taus)
-    return True
+    return None if taus is None else with_taus(policy, taus)
 
 
 def cost_path(path: Path) -> Path:
@@ -75,16 +71,17 @@ def cached_costs(path: Path) -> dict | None:
         return None
 
 
-def store_taus(path: Path, policy: AttentionPolicy) -> bool:
-    """Keep the taus of ``policy`` at ``path`` once every sparse layer has calibrated; returns
-    whether it did (a run too short to finish calibrating keeps nothing)."""
-    ops = sparse_ops(policy)
-    if not ops or any(op.scsa is None or not op.scsa.calibrated for op in ops):
+def store_taus(path: Path, policy: AttentionPolicy, cache) -> bool:
+    """Keep the taus that ``policy``'s sparse layers calibrated in ``cache`` at ``path`` once
+    every one has calibrated; returns whether it did (a run too short to finish calibrating
+    keeps nothing)."""
+    layers, held = sparse_layers(policy), stream_layers(cache)
+    if not layers or any(i not in held or not held[i].calibrated for i in layers):
         return False
     entries = {}
-    for layer, values in policy_taus(policy).items():
+    for layer, values in cache_taus(cache).items():
         entries.update(tau_io.layer_entries(layer, values))
-    costs = {str(op.layer_index): op.scsa.cost_ratio for op in ops}
+    costs = {str(i): held[i].cost_ratio for i in layers}
     # the costs first: a run killed between the two writes leaves no taus, so the next one
     # calibrates again rather than reading taus without their costs
     with atomic_write_path(cost_path(path)) as tmp:
