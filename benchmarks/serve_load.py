@@ -30,10 +30,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from common import RESULTS, write_result
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, write_result  # noqa: E402
 
 TOPICS = ["the sea", "a lighthouse", "winter in a small town", "the first train", "a lost key",
           "an old map", "the night market", "a letter never sent"]

@@ -14,9 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from serve_load import RESULTS, ROOT, free_port, rss_mib, scrape, start, stop, wait_up  # noqa: E402
+from serve_load import RESULTS, ROOT, free_port, rss_mib, scrape, start, stop, wait_up
 
 
 
