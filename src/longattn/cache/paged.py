@@ -240,7 +240,9 @@ class PagedKVCache(KVCache):
     """The KVCache the model talks to for one forward over ``streams`` (one row each).
 
     Cheap to build: a scheduler makes one per step for whichever streams run in it, so
-    streams join and leave the batch between steps while their blocks stay in the pool.
+    streams join and leave the batch between steps while their blocks stay in the pool. Its op
+    state (KVView.state) lasts one step, so policies whose ops keep state across steps
+    (sparse) are not served.
     """
 
     def __init__(self, cfg, pool: BlockPool, streams: list):
