@@ -1,5 +1,6 @@
 """SCSA settings and shapes a user can get wrong end in one clear LongattnError."""
 
+import dataclasses
 import json
 
 import pytest
@@ -58,11 +59,14 @@ def test_layer_rejects_a_non_config():
         SCSALayer({"rank": 2}, 2, 1, 8)
 
 
-def test_layer_revalidates_an_edited_config():
+def test_config_is_frozen_and_replace_revalidates():
+    """A config is data: it cannot be edited in place (a policy holding it stays what it was
+    built as), and a changed copy is validated like a new one."""
     cfg = SCSAConfig()
-    cfg.rank = 9
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.rank = 9
     with pytest.raises(LongattnError, match="rank must be in 0..8"):
-        SCSALayer(cfg, num_heads=4, num_kv_heads=2, head_dim=64)
+        dataclasses.replace(cfg, rank=9)
 
 
 def test_layer_accepts_valid_edge_shapes():

@@ -29,7 +29,7 @@ CALIB_METRICS = ("head", "group")
 TREE_ORDERS = ("similar", "cache")
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class SCSAConfig:
     """Self-Calibrating Sparse Attention settings (one object per model, shared by layers).
 
@@ -146,8 +146,8 @@ class SCSAConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Raise LongattnError naming the first impossible setting (also run by SCSALayer, since a
-        config may be edited after construction)."""
+        """Raise LongattnError naming the first impossible setting (run on construction, so by
+        ``dataclasses.replace`` too; the config is frozen)."""
         def bad(msg: str) -> None:
             raise LongattnError(f"SCSAConfig: {msg}")
 
@@ -183,7 +183,7 @@ class SCSAConfig:
         grid = tuple(float(t) for t in self.tau_grid)
         if not grid or any(not 0.0 <= t <= 1.0 for t in grid) or list(grid) != sorted(set(grid)):
             bad(f"tau_grid must be non-empty, strictly ascending, within [0, 1]; got {self.tau_grid}")
-        self.tau_grid = grid
+        object.__setattr__(self, "tau_grid", grid)  # normalised once, at construction
         if self.calib_metric not in CALIB_METRICS:
             bad(f"calib_metric must be one of {', '.join(CALIB_METRICS)}, got {self.calib_metric!r}")
         if self.tree_fanout < 2:
