@@ -171,24 +171,31 @@ class PagedLayerCache(LayerCache):
         held blocks as ``(k_all [B, Hkv, N, D], v_all, k_pos [B, N])``, then free what the next
         query cannot read. A row's positions must continue its stream (``next_pos`` on)."""
         pool, bs = self.pool, self.pool.block_size
-        b_idx, t_idx = (pos >= 0).nonzero(as_tuple=True)  # [M] each
-        p = pos[b_idx, t_idx]
-        slots = torch.empty_like(p)
-        ends = []
-        for b, st in enumerate(self.streams):
-            table = st.tables[self.layer]
-            sel = (b_idx == b).nonzero(as_tuple=True)[0]
-            if sel.numel():
-                lo, hi = int(p[sel[0]]), int(p[sel[-1]])
-                for j in range(lo // bs, hi // bs + 1):
-                    if j not in table:
-                        table[j] = pool.alloc()
-                phys = torch.tensor([table[j] for j in range(lo // bs, hi // bs + 1)])
-                q = p[sel]
-                slots[sel] = phys[q // bs - lo // bs] * bs + q % bs
-            ends.append(max(st.next_pos, int(p[sel[-1]]) + 1 if sel.numel() else 0))
-        pool.k[:, slots] = k.permute(1, 0, 2, 3)[:, b_idx, t_idx].to(pool.dtype)  # [Hkv, M, D]
-        pool.v[:, slots] = v.permute(1, 0, 2, 3)[:, b_idx, t_idx].to(pool.dtype)
+        # Slots are worked out on Python ints: this runs for every layer of every step, and
+        # per-stream tensor indexing cost more than the step's attention with many streams.
+        rows = pos.tolist()
+        slots, b_idx, t_idx, ends = [], [], [], []
+        for b, (st, row) in enumerate(zip(self.streams, rows)):
+            table, last = st.tables[self.layer], -1
+            for t, p in enumerate(row):
+                if p < 0:
+                    continue
+                blk = table.get(p // bs)
+                if blk is None:
+                    blk = table[p // bs] = pool.alloc()
+                slots.append(blk * bs + p % bs)
+                b_idx.append(b)
+                t_idx.append(t)
+                last = p
+            ends.append(max(st.next_pos, last + 1))
+        slots_t = torch.tensor(slots, dtype=torch.int64)
+        if len(slots) == k.shape[0] * k.shape[2]:  # no padding: every (row, token) in order
+            kk, vv = (x.permute(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[3]) for x in (k, v))
+        else:
+            bi, ti = torch.tensor(b_idx, dtype=torch.int64), torch.tensor(t_idx, dtype=torch.int64)
+            kk, vv = (x.permute(1, 0, 2, 3)[:, bi, ti] for x in (k, v))  # [Hkv, M, D]
+        pool.k[:, slots_t] = kk.to(pool.dtype)
+        pool.v[:, slots_t] = vv.to(pool.dtype)
         k_all, v_all, k_pos = self._view(ends, contiguous=k.shape[2] > 1)
         for st, end in zip(self.streams, ends):
             self._free_out_of_window(st, end)
@@ -200,20 +207,17 @@ class PagedLayerCache(LayerCache):
         kernels built, k and v are ``PagedRows``, read in place by the fused decode kernel;
         else ``[B, Hkv, N, D]`` tensors gathered block by block (``PagedRows.gather``)."""
         bs = self.pool.block_size
-        rows = [list(st.tables[self.layer].items()) for st in self.streams]
+        rows = [st.tables[self.layer] for st in self.streams]
         # a row ends at its stream's end, not its last block's: the slots past it hold
         # nothing, and a view of exactly the stored positions keeps the growing cache's shapes
-        lens = [len(r) * bs - ((r[-1][0] + 1) * bs - end) if r else 0 for r, end in zip(rows, ends)]
+        lens = [len(r) * bs - ((next(reversed(r)) + 1) * bs - end) if r else 0 for r, end in zip(rows, ends)]
         n, blocks = max(lens), max(len(r) for r in rows)
-        phys = torch.zeros(len(rows), blocks, dtype=torch.int64)  # padding names block 0, never read
-        kpos = torch.full((len(rows), blocks * bs), -1, dtype=torch.int64)
-        off = torch.arange(bs)
-        for b, r in enumerate(rows):
-            if not r:
-                continue
-            phys[b, :len(r)] = torch.tensor([pb for _, pb in r])
-            logical = torch.tensor([j for j, _ in r])[:, None]  # [nb, 1]
-            kpos[b, :lens[b]] = (logical * bs + off).reshape(-1)[:lens[b]]
+        # padding names block 0 (never read) at logical block -1 (positions < 0: empty)
+        phys = torch.tensor([list(r.values()) + [0] * (blocks - len(r)) for r in rows], dtype=torch.int64)
+        logical = torch.tensor([list(r) + [-1] * (blocks - len(r)) for r in rows], dtype=torch.int64)
+        kpos = (logical[:, :, None] * bs + torch.arange(bs)).reshape(len(rows), blocks * bs)
+        kpos = torch.where((logical[:, :, None] >= 0).expand(-1, -1, bs).reshape(kpos.shape)
+                           & (torch.arange(blocks * bs) < torch.tensor(lens)[:, None]), kpos, -1)
         k, v = (PagedRows(t.unsqueeze(0), phys, bs, n) for t in (self.pool.k, self.pool.v))
         if contiguous or not native.available():
             k, v = k.gather(), v.gather()
