@@ -97,6 +97,9 @@ def test_avx2_int8_kernel_matches_exact_reference(rows, K):
     assert torch.all((y.double() - ref).abs() <= bound)
     # a transposed (non-contiguous) activation view gives the same bits
     assert torch.equal(linear.int8_gemv(x.T.contiguous().T, q, s), y)
+    # each row alone gives the bits it gets in the batch (several rows share one widened weight
+    # row; one row widens in registers): batched decode == each stream alone rests on this
+    assert all(torch.equal(linear.int8_gemv(x[i:i + 1], q, s), y[i:i + 1]) for i in range(rows))
 
 
 def test_avx2_int8_kernel_rejects_wrong_dtypes_and_shapes():
