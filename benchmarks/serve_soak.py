@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from common import write_result
 from serve_load import RESULTS, ROOT, free_port, rss_mib, scrape, start, stop, wait_up
 
 
@@ -67,11 +68,7 @@ def main() -> int:
            "samples": samples,
            # flat: the second half of the run never holds more blocks than the first half did
            "kv_blocks_flat": len(kv) >= 2 and max(kv[len(kv) // 2:]) <= max(kv[:len(kv) // 2])}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
-    tmp.replace(out)
+    out = write_result(args.out, doc)
     print(f"wrote {out}" + (f"; error: {error}" if error else ""))
     return 1 if error else 0
 
