@@ -9,10 +9,8 @@ tokens and must stay flat once the window is full (the run fails on any error).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 from common import write_result
 from serve_load import RESULTS, ROOT, free_port, rss_mib, scrape, start, stop, wait_up
