@@ -94,7 +94,7 @@ def _off_main_thread(make):
             box["value"] = make()
         except BaseException as e:  # re-raised on the calling thread, one-line errors included
             box["error"] = e
-    t = threading.Thread(target=work, name="longattn-load")
+    t = threading.Thread(target=work, name="longattn-load", daemon=True)  # Ctrl-C need not wait for it
     t.start()
     t.join()
     if "error" in box:
