@@ -16,8 +16,9 @@ from longattn.errors import LongattnError
 from longattn.models import build_model
 from longattn.models import transformer
 from longattn.ops import linear, native
-from longattn.models.weights import (INT4_GROUP, dequantize_int4, dequantize_int8, int4_matmul, int8_matmul,
-                                     parse_weights, quantize_activations, quantize_int4, quantize_int8)
+from longattn.models.weights import parse_weights, quantize_int4, quantize_int8
+from longattn.ops.linear import (INT4_GROUP, dequantize_int4, dequantize_int8, int4_matmul, int8_matmul,
+                                 quantize_activations)
 from longattn.policy import AttentionPolicy
 from model_paths import assert_paths_agree, assert_streams_agree, ids_for, run_path
 from tolerance import TIE_FLOOR, assert_within_derived

@@ -18,10 +18,10 @@ from ..cache.base import KVView
 from ..config import ModelConfig
 from ..errors import LongattnError
 from ..ops.attention import MaskMemo, WindowOp
-from ..ops.linear import float_linear, gemv_kernel, prefill_sized, widened_linear
+from ..ops.linear import (INT4_GROUP, dequantize_int4, dequantize_int8, float_linear, gemv_kernel, int4_matmul,
+                          int8_matmul, prefill_sized, widened_linear)
 from .rope import SEQ_DEPENDENT, apply_rope, inv_freq, rope_cos_sin, rope_frequencies
-from .weights import (INT4_GROUP, dequantize_int4, dequantize_int8, int4_applies, int4_matmul, int8_matmul,
-                      parse_weights, quantize_int4, quantize_int8, recipe_name)
+from .weights import int4_applies, parse_weights, quantize_int4, quantize_int8, recipe_name
 
 
 class RMSNorm(nn.Module):

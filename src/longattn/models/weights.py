@@ -28,8 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import LongattnError
-from ..ops.linear import (INT4_GROUP, dequantize_int4, dequantize_int8, int4_matmul,  # noqa: F401
-                          int8_matmul, quantize_activations)
+from ..ops.linear import INT4_GROUP, dequantize_int4, dequantize_int8
 
 WEIGHT_FORMATS = ("f32", "bf16", "int8", "int4")
 # names accepted on the command line and in the API (the --dtype spellings included)
@@ -57,10 +56,6 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
     q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
     return q.contiguous(), scales.contiguous()
-
-
-
-
 
 
 def parse_recipe(spec: str) -> tuple[str, tuple]:
@@ -111,12 +106,6 @@ def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     half = INT4_GROUP // 2
     codes = (u[..., :half] | (u[..., half:] << 4)).reshape(N, K // 2)
     return codes.contiguous(), d.contiguous(), m.contiguous()
-
-
-
-
-
-
 
 
 def effective_state_dict(state_dict: dict, weights: str) -> dict:
