@@ -131,13 +131,14 @@ def run(args) -> int:
         streamer.finish()
     taus.finish(session.cache)
     from ..ops import native
+    kernels = "native" if native.available() else "reference"
     n = res.new_tokens
     tps = n / res.decode_seconds if res.decode_seconds > 0 else float("nan")
     pps = res.prompt_tokens / res.prefill_seconds if res.prefill_seconds > 0 else float("nan")
     summary = {"model": ck.name, "prompt_tokens": res.prompt_tokens, "new_tokens": n,
                "prefill_tok_s": round(pps, 2), "decode_tok_s": round(tps, 2),
                "cache_bytes": res.cache_bytes, "threads": args.threads, "weights": model.weights,
-               "kernels": "native" if native.available() else "reference", "compiled": bool(args.compile), "load_s": round(load_s, 3),
+               "kernels": kernels, "compiled": bool(args.compile), "load_s": round(load_s, 3),
                "prefill_s": round(res.prefill_seconds, 3), "decode_s": round(res.decode_seconds, 3),
                "first_token_after_start_s": round(token_times[0], 2) if token_times else None,
                "peak_rss_bytes": peak_rss_bytes(), **taus.report(session.cache),
@@ -178,11 +179,11 @@ class SparseTaus:
         picks for this prompt and ``new_tokens``, the checkpoint's attention elsewhere. Only
         taus reused from the cache can be chosen, so an auto run never calibrates."""
         from ..sparse import auto
+        from ..sparse.policy import policy_taus
         from ..sparse.tau_cache import cached_costs
         reused = self.source == "reused from the cache"
-        taus = {i: list(lp.taus) for i, lp in enumerate(self.policy.layers) if lp.taus is not None}
         choice = auto.choose(cfg, auto.candidate_layers(self.policy), prompt_tokens, new_tokens,
-                             self.policy.sparse_config.min_context, taus if reused else None,
+                             self.policy.sparse_config.min_context, policy_taus(self.policy) if reused else None,
                              cached_costs(self.path) if reused else None)
         chosen = auto.restrict(self.policy, choice.sparse_layers)  # keeps the chosen layers' taus
         if choice.sparse_layers:

@@ -110,8 +110,7 @@ def fused_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap,
 def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor,
            window: Optional[int], sinks: int, scale: float, softcap: Optional[float] = None, *,
            fused: bool = True, banded_min_tokens: Optional[int] = BANDED_MIN_TOKENS,
-           masks: Optional["MaskMemo"] = None, sink_logits: Optional[torch.Tensor] = None,
-           isa: Optional[str] = None) -> torch.Tensor:
+           masks: Optional["MaskMemo"] = None, sink_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of queries over cached keys by absolute positions.
 
     Args:
@@ -126,7 +125,6 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         masks: a MaskMemo shared by the layers of one forward (masks built once per setting).
         sink_logits: ``[H]`` learned per-head sink logits (gpt-oss), one more term in each
             softmax denominator, on every kernel.
-        isa: the fused kernel's form (``native.isa_code``; None = automatic).
     Returns:
         ``[B, H, Tq, D]``.
     """
@@ -134,14 +132,12 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         if fused and fused_applies(q, k.pool, v.pool, softcap, sink_logits):
             none = q.new_empty(q.shape[0], k.pool.shape[1], 0, q.shape[3])  # the pool already holds it
             return torch.ops.longattn_cpu.decode_attention(q, k.pool, v.pool, k_pos, q_pos, none, none, window or 0,
-                                                           sinks, float(scale), sink_logits, k.table, k.block_size,
-                                                           native.isa_code(isa))
+                                                           sinks, float(scale), sink_logits, k.table, k.block_size)
         k, v = k.gather(), v.gather()
     if fused and fused_applies(q, k, v, softcap, sink_logits):
         none = k[:, :, :0]  # no separate own key: the cache already holds it
         return torch.ops.longattn_cpu.decode_attention(q, k, v, k_pos, q_pos, none, none,
-                                                       window or 0, sinks, float(scale), sink_logits,
-                                                       isa=native.isa_code(isa))
+                                                       window or 0, sinks, float(scale), sink_logits)
     if _banded_applies(q, q_pos, k_pos, window, softcap, banded_min_tokens):
         from .banded import banded_attention
         return banded_attention(q, k, v, window, sinks, scale, sink_logits=sink_logits)
@@ -193,7 +189,7 @@ def static_kernel(kernel: str) -> str:
 
 def attend_buffer_and_new(q, q_pos, k, v, k_pos, k_new, v_new, window: Optional[int], sinks: int,
                           scale: float, softcap: Optional[float] = None, kernel: str = "fused",
-                          sink_logits: Optional[torch.Tensor] = None, isa: Optional[str] = None):
+                          sink_logits: Optional[torch.Tensor] = None):
     """One decode query per stream over a read-only buffer plus the step's own key.
 
     Args:
@@ -203,7 +199,6 @@ def attend_buffer_and_new(q, q_pos, k, v, k_pos, k_new, v_new, window: Optional[
         kernel: a ``static_kernel`` result ("fused" | "matmul" | "flash"); soft-capped or
             non-float32 layers read by matmul whatever is asked.
         sink_logits: ``[H]`` learned per-head sink logits (gpt-oss), on every kernel.
-        isa: the fused kernel's form (``native.isa_code``; None = automatic).
     Returns:
         ``[B, H, 1, D]``, equal to attention over the buffer with the new key written into it.
     """
@@ -211,7 +206,7 @@ def attend_buffer_and_new(q, q_pos, k, v, k_pos, k_new, v_new, window: Optional[
             (sink_logits is None or sink_logits.dtype == torch.float32):
         return torch.ops.longattn_cpu.decode_attention(
             q, k, v, k_pos, q_pos, k_new.to(k.dtype), v_new.to(v.dtype), window or 0, sinks, float(scale),
-            sink_logits, isa=native.isa_code(isa))
+            sink_logits)
     mask = allowed_mask(q_pos, k_pos, window, sinks)  # [B, 1, 1, S]
     if kernel == "flash" and softcap is None:
         return attend_buffer_and_self_flash(q, k, v, mask, k_new, v_new, q_pos >= 0, scale, sink_logits)
