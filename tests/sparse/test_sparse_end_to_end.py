@@ -17,7 +17,7 @@ from conftest import tiny_model
 from longattn.cache import KVView
 from longattn.engine.session import Session
 from longattn.sparse import SCSAConfig
-from longattn.sparse.policy import build_sparse_policy, cache_taus, sparse_layers, stream_layers
+from longattn.sparse.policy import build_sparse_policy, cache_taus, policy_taus, sparse_layers, stream_layers
 from longattn.sparse.tau_cache import load_cached_taus, store_taus, tau_cache_path
 from sparse_fixtures import assert_same_index
 
@@ -89,7 +89,7 @@ def test_cached_taus_are_the_calibrated_ones_and_decide_alike(cache):
     assert store_taus(path, calibrated, cal_cache)
     reused = load_cached_taus(path, build_sparse_policy(m.config, cfg), m.config)
     assert reused is not None
-    assert {i: list(lp.taus) for i, lp in enumerate(reused.layers)} == cache_taus(cal_cache)
+    assert policy_taus(reused) == cache_taus(cal_cache)
     # same inputs, same decisions: each layer a reused policy makes against the one that calibrated
     q = torch.randn(1, 4, 1, 16, generator=g)
     k, v = torch.randn(1, 2, 700, 16, generator=g), torch.randn(1, 2, 700, 16, generator=g)

@@ -10,8 +10,8 @@ from longattn.errors import LongattnError
 from longattn.policy import AttentionPolicy
 from longattn.engine.session import Session
 from longattn.sparse import SCSAConfig
-from longattn.sparse.policy import (build_sparse_policy, cache_taus, retune, save_taus, stream_layers,
-                                     with_taus)
+from longattn.sparse.policy import (build_sparse_policy, cache_taus, policy_taus, retune, save_taus,
+                                     stream_layers, with_taus)
 from tolerance import LOGIT_FLOOR, assert_within_derived
 
 # dense_when_cheaper off: tiny caches would send every layer to its dense read (test_sparse_cost.py)
@@ -139,7 +139,7 @@ def test_retune_and_with_taus():
         assert tight[li] == [None] * len(loose[li])
     taus = retune(cache, 0.025)
     fresh = with_taus(build_sparse_policy(m.config, cfg), taus)
-    assert {i: list(lp.taus) for i, lp in enumerate(fresh.layers)} == taus
+    assert policy_taus(fresh) == taus
 
     def set_in_place(c):  # the calibrating policy's own layers, handed the same taus
         for i, sc in stream_layers(c).items():

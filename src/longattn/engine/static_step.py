@@ -39,6 +39,7 @@ from ..errors import LongattnError
 from ..ops import native
 from ..ops.attention import attend_buffer_and_new, static_kernel
 from ..policy import AttentionPolicy
+from ..sparse.policy import policy_taus
 from ..sparse.static_op import SparseState, StaticSparseOp
 from .session import Session
 
@@ -224,9 +225,8 @@ class StaticDecoder:
         if "sparse" in kinds and cfg.attn_softcap is not None:
             raise LongattnError("sparse layers with score soft-capping run in the eager Session only")
         from ..sparse import SCSAConfig
-        preset = {i: lp.taus for i, lp in enumerate(self.policy.layers) if lp.kind == "sparse" and lp.taus is not None}
         self.sparse = SparseState(self.policy.sparse_config or SCSAConfig(), cfg.num_heads, cfg.num_kv_heads,
-                                  cfg.head_dim, preset) if "sparse" in kinds else None
+                                  cfg.head_dim, policy_taus(self.policy)) if "sparse" in kinds else None
         static_kernel(attention)  # refuses an unknown name before any buffer is made
         self.batch, self.dynamic, self.attention = batch, dynamic, attention
         self._policy = _StaticPolicy(self.policy, attention, self.sparse)

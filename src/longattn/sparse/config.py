@@ -147,7 +147,7 @@ class SCSAConfig:
 
     def validate(self) -> None:
         """Raise LongattnError naming the first impossible setting (run on construction, so by
-        ``dataclasses.replace`` too; the config is frozen)."""
+        ``dataclasses.replace`` too; the config is frozen, so a built one is always valid)."""
         def bad(msg: str) -> None:
             raise LongattnError(f"SCSAConfig: {msg}")
 

@@ -107,13 +107,14 @@ class SCSALayer:
         num_heads, num_kv_heads, head_dim: the layer's attention shape
             (``num_heads % num_kv_heads == 0``, ``head_dim % 8 == 0``, ``head_dim <= 512``).
         layer_index: names this layer in saved tau files (``"layer:head"`` keys).
+        taus: frozen thresholds to start from (as ``set_taus`` takes; a policy's
+            ``LayerPolicy.taus``), skipping calibration; None calibrates in the first calls.
     """
 
     def __init__(self, cfg: SCSAConfig, num_heads: int, num_kv_heads: int, head_dim: int,
-                 layer_index: int = 0) -> None:
+                 layer_index: int = 0, taus=None) -> None:
         if not isinstance(cfg, SCSAConfig):
             raise LongattnError(f"SCSALayer needs an SCSAConfig, got {type(cfg).__name__}")
-        cfg.validate()
         if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
             raise LongattnError(f"SCSALayer: num_heads ({num_heads}) must be a positive multiple of "
                                 f"num_kv_heads ({num_kv_heads})")
@@ -146,6 +147,8 @@ class SCSALayer:
         # the learned sink logits ``[H]`` of the current call (gpt-oss; None for most models):
         # set by ``attend``, read by every path of the call (exact, Python, native, calibration)
         self.sink_logits: torch.Tensor | None = None
+        if taus is not None:
+            self.set_taus(list(taus))
 
     # --- public --------------------------------------------------------------------------
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

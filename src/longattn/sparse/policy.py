@@ -45,9 +45,8 @@ class SparseOp:
         frozen taus when it has them)."""
         sc = view.state.get(STATE_KEY)
         if sc is None:
-            sc = SCSALayer(self.cfg, num_heads, view.k.shape[1], view.k.shape[3], layer_index=self.layer_index)
-            if self.lp.taus is not None:
-                sc.set_taus(list(self.lp.taus))
+            sc = SCSALayer(self.cfg, num_heads, view.k.shape[1], view.k.shape[3], layer_index=self.layer_index,
+                           taus=self.lp.taus)
             view.state[STATE_KEY] = sc
         return sc
 
@@ -167,6 +166,12 @@ def retune(cache, tolerance: float) -> dict:
         if sc.calibrator.samples:
             sc.set_taus(sc.choose_taus(tolerance))
     return cache_taus(cache)
+
+
+def policy_taus(policy: AttentionPolicy) -> dict:
+    """``{layer: [tau per KV head]}`` frozen in ``policy`` (``with_taus``); empty when its sparse
+    layers calibrate."""
+    return {i: list(lp.taus) for i, lp in enumerate(policy.layers) if lp.taus is not None}
 
 
 def with_taus(policy: AttentionPolicy, taus: dict) -> AttentionPolicy:

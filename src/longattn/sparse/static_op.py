@@ -56,10 +56,8 @@ class SparseState:
 
     def layer(self, layer: int, stream: int) -> SCSALayer:
         if (layer, stream) not in self.layers:
-            sc = SCSALayer(self.cfg, *self.shape, layer_index=layer)
-            if layer in self.taus:
-                sc.set_taus(list(self.taus[layer]))
-            self.layers[(layer, stream)] = sc
+            self.layers[(layer, stream)] = SCSALayer(self.cfg, *self.shape, layer_index=layer,
+                                                     taus=self.taus.get(layer))
         return self.layers[(layer, stream)]
 
     def reset(self) -> None:
