@@ -79,28 +79,36 @@ def test_avx2_int8_kernel_is_built_where_the_cpu_has_avx2():
         assert not native.available()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 40])
-@pytest.mark.parametrize("K", [96, 100, 77, 5])  # whole 32-blocks, an 8-block tail, scalar tails
-def test_avx2_int8_kernel_matches_exact_reference(rows, K):
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 40])  # the AVX-512 form's tiles: 3 rows, 2, 1, several
+@pytest.mark.parametrize("K", [96, 112, 100, 77, 5])  # 32-blocks, a 16-block tail, 8-block, scalar tails
+def test_int8_kernel_matches_exact_reference(isa, rows, K):
     """float32 activations, int8 weights widened exactly, float32 accumulation in any order,
     one rounding for the row scale: within K float32 roundings of the sum of |terms| plus half
-    an ulp of the output, against float64 arithmetic on the same inputs."""
+    an ulp of the output, against float64 arithmetic on the same inputs. Both forms, which
+    give the same bits."""
     assert native.available()
+    if isa == "avx512" and not native.has_avx512():
+        pytest.skip("this CPU lacks AVX-512")
     g = torch.Generator().manual_seed(rows * 1000 + K)
-    N = 70
+    N = 70  # tiles of 4 weight rows and a 2-row remainder, split over threads
     x = torch.randn(rows, K, generator=g)
     q, s = quantize_int8(torch.randn(N, K, generator=g))
-    y = int8_matmul(x, q, s, s.to(torch.bfloat16), kernel="avx2")
+    y = linear.int8_gemv(x, q, s, isa)
     w = q.double() * s.double()[:, None]
     ref = x.double() @ w.T
     bound = 2.0 ** -24 * ref.abs() + K * 2.0 ** -24 * (x.double().abs() @ w.abs().T) + 1e-30
     assert y.dtype == torch.float32 and y.shape == (rows, N)
     assert torch.all((y.double() - ref).abs() <= bound)
     # a transposed (non-contiguous) activation view gives the same bits
-    assert torch.equal(linear.int8_gemv(x.T.contiguous().T, q, s), y)
-    # each row alone gives the bits it gets in the batch (several rows share one widened weight
-    # row; one row widens in registers): batched decode == each stream alone rests on this
-    assert all(torch.equal(linear.int8_gemv(x[i:i + 1], q, s), y[i:i + 1]) for i in range(rows))
+    assert torch.equal(linear.int8_gemv(x.T.contiguous().T, q, s, isa), y)
+    # each row alone gives the bits it gets in the batch (a batch shares widened weights across
+    # its rows; one row widens in registers): batched decode == each stream alone rests on this
+    assert all(torch.equal(linear.int8_gemv(x[i:i + 1], q, s, isa), y[i:i + 1]) for i in range(rows))
+    # and a weight row's bits do not depend on which rows share its tile or thread
+    assert torch.equal(linear.int8_gemv(x, q[3:], s[3:], isa), y[:, 3:])
+    # the two forms sum in one order: the same bits (automatic mixes them by batch size)
+    assert torch.equal(linear.int8_gemv(x, q, s, "avx2"), y)
 
 
 def test_avx2_int8_kernel_rejects_wrong_dtypes_and_shapes():

@@ -7,13 +7,13 @@ a decode-sized one runs a kernel on the stored format:
 
 | format | kernel "avx2" (float32 activations, the native build) | fallback |
 |---|---|---|
-| int8 | ``csrc/int8_gemv.cpp``: rows widened in registers, float32 sums | ``aten._weight_int8pack_mm`` on bf16 activations |
+| int8 | ``csrc/int8_gemv.cpp``: rows widened exactly, float32 sums, batches in register tiles | ``aten._weight_int8pack_mm`` on bf16 activations |
 | int4 | ``csrc/int4_gemv.cpp``: activations rounded to int8 per block of 32, integer dots | the same arithmetic in PyTorch |
 | bf16 | ``F.linear`` in bf16 (half the bytes read) | |
 
 ``gemv_kernel`` makes the choice once, when a layer is converted (a plain string is a constant
-to torch.compile, and a first-call build must not happen inside a trace). The int4 kernel has
-an AVX2 and an AVX-512 form; ``isa`` picks one (``ops.native.isa_code``).
+to torch.compile, and a first-call build must not happen inside a trace). Both kernels have an
+AVX2 and an AVX-512 form; ``isa`` picks one (``ops.native.isa_code``).
 """
 
 from __future__ import annotations
@@ -140,7 +140,8 @@ def kernel_name() -> str:
     return "longattn-avx2" if native.available() else "aten-int8pack"
 
 
-def int8_gemv(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+def int8_gemv(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, isa: str | None = None) -> torch.Tensor:
     """``x [M, K]`` float32, ``q [N, K]`` int8, ``s [N]`` float32 -> ``x @ (q * s[:, None]).T``
-    as ``[M, N]`` float32 (the native kernel; ``int8_matmul`` picks it)."""
-    return torch.ops.longattn_cpu.int8_gemv(x, q, s)
+    as ``[M, N]`` float32 (the native kernel; ``int8_matmul`` picks it). ``isa`` picks its AVX2
+    or AVX-512 form (``ops.native.isa_code``; automatic by default)."""
+    return torch.ops.longattn_cpu.int8_gemv(x, q, s, native.isa_code(isa))

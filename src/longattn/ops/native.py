@@ -85,7 +85,7 @@ def _build() -> bool:
 
     # shapes for torch.compile's tracing (the kernels run only on real tensors)
     @torch.library.register_fake("longattn_cpu::int8_gemv")
-    def _(x, q, s):
+    def _(x, q, s, isa=-1):
         return x.new_empty(x.shape[0], q.shape[0])
 
     @torch.library.register_fake("longattn_cpu::int4_gemv")
@@ -115,15 +115,16 @@ ISAS = {None: -1, "auto": -1, "avx2": 0, "avx512": 1}
 
 def isa_code(isa: str | None = None) -> int:
     """The ``isa`` argument of the kernels with an AVX2 and an AVX-512 form (SCSA's opened-row
-    phase, the dense fused decode attention's row loops, the int4 GEMV's row dots): None or
+    phase, the dense fused decode attention's row loops, the int8 and int4 GEMVs): None or
     "auto" = -1 (each kernel's automatic choice), "avx2" = 0, "avx512" = 1 (the kernel raises
     RuntimeError on a CPU without AVX-512 F/BW/VL/DQ/VNNI).
 
-    Automatic: SCSA and the int4 GEMV take their AVX-512 forms where the CPU has them; the dense
-    attention too, except on AMD CPUs, whose 512-bit units split each operation in two, so the
-    AVX2 loops are faster there. SCSA's and the dense attention's two forms give bit-identical
-    outputs; the int4 GEMV's differ in the last bits (other float lanes), both within the bound
-    the tests derive. Forcing a form is for tests and benchmarks."""
+    Automatic: SCSA and the int4 GEMV take their AVX-512 forms where the CPU has them; the int8
+    GEMV for batches of two rows or more (one row is bound by memory, where the AVX2 form is as
+    fast); the dense attention too, except on AMD CPUs, whose 512-bit units split each operation
+    in two, so the AVX2 loops are faster there. SCSA's, the dense attention's and the int8 GEMV's
+    two forms give bit-identical outputs; the int4 GEMV's differ in the last bits (other float
+    lanes), both within the bound the tests derive. Forcing a form is for tests and benchmarks."""
     if isa not in ISAS:
         raise ValueError(f"isa is one of {', '.join(k for k in ISAS if k)} or None, got {isa!r}")
     return ISAS[isa]
