@@ -4,17 +4,42 @@ tokens and must stay flat once the window is full (the run fails on any error).
 
     python benchmarks/serve_soak.py --model smollm2-135m --window 1024 --sinks 4 --tokens 1000000
     python benchmarks/serve_soak.py --tokens 300 --window 32 --every 50     # smoke
+    python benchmarks/serve_soak.py --random-layers 2 --every 20000        # 1M tokens in ~30 min
+
+``--random-layers N`` serves a random N-layer model with ``--model``'s tokenizer and vocabulary
+(hidden size 64) instead of its weights: the server's machinery (paged blocks, sinks, the
+stream, the positions) at many times the real model's speed, where 1M real tokens take hours.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 from common import write_result
 from serve_load import RESULTS, ROOT, free_port, rss_mib, scrape, start, stop, wait_up
 
+
+def random_checkpoint(model: str, layers: int, dst: Path) -> str:
+    """Save a random Llama of ``layers`` layers (hidden 64) with ``model``'s tokenizer,
+    vocabulary and rope into ``dst`` and return it as a ``--model`` argument."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from longattn.checkpoint import load_checkpoint
+    ck = load_checkpoint(model, read_weights=False)
+    c = ck.config
+    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=c.max_context,
+                      rope_theta=c.rope_theta, tie_word_embeddings=True, bos_token_id=c.bos_token_id,
+                      eos_token_id=c.eos_token_ids[0] if c.eos_token_ids else None)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(str(dst))
+    ck.tokenizer.save_pretrained(str(dst))
+    return str(dst)
 
 
 def main() -> int:
@@ -25,14 +50,18 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=1_000_000)
     ap.add_argument("--every", type=int, default=1000, help="tokens between samples")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--random-layers", type=int, default=0,
+                    help="serve a random model of this many layers with --model's tokenizer (see above)")
     ap.add_argument("--out", default=str(RESULTS / "serve_soak.json"))
     args = ap.parse_args()
+    scratch = tempfile.TemporaryDirectory(prefix="longattn-soak-")
+    served = random_checkpoint(args.model, args.random_layers, Path(scratch.name)) if args.random_layers else args.model
 
     import os
 
     import openai
     port = free_port()
-    cmd = [sys.executable, "-m", "longattn.cli.main", "serve", "--model", args.model, "--port", str(port),
+    cmd = [sys.executable, "-m", "longattn.cli.main", "serve", "--model", served, "--port", str(port),
            "--threads", str(args.threads), "--window", str(args.window), "--sinks", str(args.sinks),
            "--served-name", "soak"]
     proc = start(cmd, dict(os.environ, PYTHONPATH=str(ROOT / "src")))
@@ -61,8 +90,10 @@ def main() -> int:
             error = f"{type(e).__name__}: {e}"
     finally:
         stop(proc)
+        scratch.cleanup()
     kv = [s["kv_blocks_used"] for s in samples]
-    doc = {"model": args.model, "window": args.window, "sinks": args.sinks, "tokens": n, "error": error,
+    doc = {"model": args.model, "random_layers": args.random_layers or None, "window": args.window,
+           "sinks": args.sinks, "tokens": n, "error": error,
            "samples": samples,
            # flat: the second half of the run never holds more blocks than the first half did
            "kv_blocks_flat": len(kv) >= 2 and max(kv[len(kv) // 2:]) <= max(kv[:len(kv) // 2])}
