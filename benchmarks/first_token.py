@@ -12,7 +12,9 @@ tok/s; the driver measures wall time (spawn to exit) and peak RSS (``wait4``) it
 are book text cut to ``--prompts`` tokens (longattn's tokenizer; llama.cpp tokenizes the same
 text itself, so its count is reported beside). A first untimed run of each arm per model
 warms the page cache and longattn's prepared-weights cache: the figures are warm starts;
-``--cold`` times one run per model with an empty ``$LONGATTN_CACHE`` first.
+``--cold`` times one run per model with an empty ``$LONGATTN_CACHE`` first. ``--window W``
+adds a third arm on prompts longer than W: longattn with ``--policy global --window W --sinks
+4`` (the layers the checkpoint leaves global read W keys and 4 sinks; trained windows stay).
 
     python benchmarks/first_token.py --threads 2 --llamacpp-python /path/to/venv/bin/python
 
@@ -116,6 +118,8 @@ def main():
                     help="interpreter with llama-cpp-python installed (default: skip that arm)")
     ap.add_argument("--cold", action="store_true",
                     help="first time one run per model with an empty LONGATTN_CACHE")
+    ap.add_argument("--window", type=int, default=None,
+                    help="add a window + 4 sinks arm on prompts longer than this window")
     ap.add_argument("--out", default=str(RESULTS / "first_token.json"))
     args = ap.parse_args()
 
@@ -144,6 +148,9 @@ def main():
                 arms = {"longattn": [longattn_bin, "generate", "--model", name, "--prompt-file", str(f),
                                      "--max-new-tokens", str(args.new_tokens), "--threads", str(args.threads),
                                      "--json"]}
+                if args.window and n > args.window:
+                    arms["longattn-window"] = arms["longattn"][:-1] + [
+                        "--policy", "global", "--window", str(args.window), "--sinks", "4", "--json"]
                 if args.llamacpp_python:
                     arms["llama.cpp"] = [args.llamacpp_python, "-c", LLAMACPP_DRIVER, str(ck.source), str(f),
                                          str(args.new_tokens), str(args.threads), str(n + args.new_tokens + 64)]
@@ -163,12 +170,15 @@ def main():
                                          "decode_tok_s", "peak_rss_bytes", "prompt_tokens", "new_tokens")}
                     row["arms"][arm]["runs"] = docs
                 if "llama.cpp" in row["arms"]:
-                    a, b = row["arms"]["longattn"], row["arms"]["llama.cpp"]
-                    row["ratios"] = {  # longattn / llama.cpp; > 1 is better for tok/s, worse for s and bytes
-                        k: a[k] / b[k] for k in ("wall_s", "first_token_after_start_s", "prefill_tok_s",
-                                                 "decode_tok_s", "peak_rss_bytes") if a[k] and b[k]}
-                    print(f"{name} T={n}: " + ", ".join(f"{k} {v:.2f}x" for k, v in row["ratios"].items()),
-                          flush=True)
+                    b = row["arms"]["llama.cpp"]
+                    for arm in [a for a in row["arms"] if a.startswith("longattn")]:
+                        a = row["arms"][arm]
+                        ratios = {  # longattn / llama.cpp; > 1 is better for tok/s, worse for s and bytes
+                            k: a[k] / b[k] for k in ("wall_s", "first_token_after_start_s", "prefill_tok_s",
+                                                     "decode_tok_s", "peak_rss_bytes") if a[k] and b[k]}
+                        row["ratios" if arm == "longattn" else f"ratios_{arm}"] = ratios
+                        print(f"{name} T={n} {arm}: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()),
+                              flush=True)
                 rows.append(row)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -36,6 +36,7 @@ from longattn.policy import AttentionPolicy  # noqa: E402
 from longattn.engine.sampling import SamplingConfig  # noqa: E402
 from longattn.serve.app import create_app  # noqa: E402
 from longattn.serve.batching import Engine, EngineConfig, Request  # noqa: E402
+from longattn.serve.detok import IncrementalText  # noqa: E402
 from longattn.engine.session import Session, generate  # noqa: E402
 
 CONTEXT = 256
@@ -337,11 +338,11 @@ def test_gemma3_hybrid_next_turn_reuses_its_prefix(served_dir):
     try:
         first = list(range(3, 43))  # 40 tokens: past the window of 8
         r1 = _ask(engine, first, 12)
-        second = first + r1.generated + [2, 50, 60, 70]
+        second = first + list(r1.generated) + [2, 50, 60, 70]
         r2 = _ask(engine, second, 6)
         assert r2.reused == len(first) + len(r1.generated) - (r1.finish_reason == "length")
         alone = generate(Session(model, pol), [second], 6, SamplingConfig()).tokens[0]
-        assert r2.generated == alone
+        assert list(r2.generated) == alone
         assert engine.snapshot()["blocks_used"] == engine.snapshot()["blocks_retained"]
     finally:
         engine.stop()
@@ -387,12 +388,12 @@ def test_incremental_text_equals_decoding_everything():
     """Token-by-token text == decoding all ids at once, on a real byte-level BPE (SmolLM2's:
     leading spaces, multi-byte characters split over tokens)."""
     from conftest import real_checkpoint
-    from longattn.serve.detok import IncrementalText
     tok = real_checkpoint("smollm2-135m").tokenizer
-    text = "Héllo  wörld — naïve café, 東京 and 🙂 emoji.\n  Indented line\twith tab."
+    text = "Héllo  wörld — naïve café, 東京 and 🙂 emoji.\n  Indented line\twith tab." * 3
     ids = tok(text)["input_ids"]
     inc = IncrementalText(tok)
     assert "".join(inc.push(t) for t in ids) == tok.decode(ids, skip_special_tokens=True)
+    assert len(inc.ids) <= 2 * IncrementalText.CONTEXT  # the context and what has not settled
 
 
 def test_cli_refuses_what_it_cannot_serve(capsys):
@@ -464,6 +465,9 @@ def test_windowed_conversation_memory_stays_flat_past_the_context(checkpoint):
         assert min(used[50:200]) == min(used[200:])
         assert max(used) < ck.config.num_layers * -(-CONTEXT // 4) // 8
         assert engine.pool.used == engine.snapshot()["blocks_retained"]
+        # nor does the rest of its state grow with the reply, but its token ids (4 bytes each)
+        assert req.text == "" and len(req.detok.ids) <= IncrementalText.CONTEXT
+        assert req.generated.itemsize == req.fed.itemsize == 4
     finally:
         engine.stop()
 
@@ -534,7 +538,7 @@ def test_next_turn_reuses_its_stream_when_the_pool_is_tight(checkpoint):
         try:
             r1 = _ask(engine, first, 6)
             retained = engine.snapshot()["blocks_retained"]
-            second = first + r1.generated + [20, 21, 22, 23]
+            second = first + list(r1.generated) + [20, 21, 22, 23]
             return r1, retained, second, _ask(engine, second, 6), engine.blocks_needed(pol, len(second), 6)
         finally:
             engine.stop()
@@ -543,7 +547,7 @@ def test_next_turn_reuses_its_stream_when_the_pool_is_tight(checkpoint):
     tight = need + retained - 1  # the turn's reservation and the stream it continues do not both fit
     _, _, _, r2, _ = run(tight)
     assert r2.reused == roomy.reused and r2.generated == roomy.generated
-    assert r2.generated == generate(Session(model, pol), [second], 6, SamplingConfig()).tokens[0]
+    assert list(r2.generated) == generate(Session(model, pol), [second], 6, SamplingConfig()).tokens[0]
 
 
 @pytest.mark.parametrize("rewind", [0, 8])
@@ -562,11 +566,11 @@ def test_next_turn_continues_from_before_where_the_last_ended(checkpoint, rewind
         r1 = _ask(engine, first, 8)
         stored = len(first) + len(r1.generated) - (r1.finish_reason == "length")
         # the reply's last 4 stored tokens come back differently (5 with the one never fed)
-        second = first + r1.generated[:-5] + [30, 31, 32, 33, 34, 35]
+        second = first + list(r1.generated[:-5]) + [30, 31, 32, 33, 34, 35]
         shared = len(first) + len(r1.generated) - 5
         r2 = _ask(engine, second, 6)
         assert stored - shared == 4
         assert r2.reused == (shared if rewind else 0)
-        assert r2.generated == generate(Session(model, pol), [second], 6, SamplingConfig()).tokens[0]
+        assert list(r2.generated) == generate(Session(model, pol), [second], 6, SamplingConfig()).tokens[0]
     finally:
         engine.stop()

@@ -163,8 +163,11 @@ def blocks_bound(window: Optional[int], sinks: int, tokens: int, chunk: int, blo
 class PagedLayerCache(LayerCache):
     """Layer ``layer`` of the streams ``streams`` (one batch row each), stored in ``pool``."""
 
-    def __init__(self, pool: BlockPool, layer: int, streams: list):
+    def __init__(self, pool: BlockPool, layer: int, streams: list, kpos_memo: Optional[dict] = None):
         self.pool, self.layer, self.streams = pool, layer, streams
+        # key positions by (logical blocks, row lengths), shared by the layers of one step:
+        # layers with the same window hold the same logical blocks, so most find it made
+        self.kpos_memo = {} if kpos_memo is None else kpos_memo
 
     def update(self, k, v, pos):
         """Store ``k, v [B, Hkv, T, D]`` at positions ``pos [B, T]`` (-1 = padding), return the
@@ -214,14 +217,18 @@ class PagedLayerCache(LayerCache):
         n, blocks = max(lens), max(len(r) for r in rows)
         # padding names block 0 (never read) at logical block -1 (positions < 0: empty)
         phys = torch.tensor([list(r.values()) + [0] * (blocks - len(r)) for r in rows], dtype=torch.int64)
-        logical = torch.tensor([list(r) + [-1] * (blocks - len(r)) for r in rows], dtype=torch.int64)
-        kpos = (logical[:, :, None] * bs + torch.arange(bs)).reshape(len(rows), blocks * bs)
-        kpos = torch.where((logical[:, :, None] >= 0).expand(-1, -1, bs).reshape(kpos.shape)
-                           & (torch.arange(blocks * bs) < torch.tensor(lens)[:, None]), kpos, -1)
+        key = (tuple(tuple(r) for r in rows), tuple(lens))
+        kpos = self.kpos_memo.get(key)
+        if kpos is None:
+            logical = torch.tensor([list(r) + [-1] * (blocks - len(r)) for r in rows], dtype=torch.int64)
+            kpos = (logical[:, :, None] * bs + torch.arange(bs)).reshape(len(rows), blocks * bs)
+            kpos = torch.where((logical[:, :, None] >= 0).expand(-1, -1, bs).reshape(kpos.shape)
+                               & (torch.arange(blocks * bs) < torch.tensor(lens)[:, None]), kpos, -1)[:, :n]
+            self.kpos_memo[key] = kpos
         k, v = (PagedRows(t.unsqueeze(0), phys, bs, n) for t in (self.pool.k, self.pool.v))
         if contiguous or not native.available():
             k, v = k.gather(), v.gather()
-        return k, v, kpos[:, :n]
+        return k, v, kpos
 
     def _free_out_of_window(self, st: PagedStream, end: int) -> None:
         w, s = st.windows[self.layer], st.sinks[self.layer]
@@ -253,8 +260,9 @@ class PagedKVCache(KVCache):
         if not streams:
             raise LongattnError("a paged cache needs at least one stream")
         self.pool, self.streams = pool, list(streams)
+        memo: dict = {}
         super().__init__(cfg, len(self.streams),
-                         layers=[PagedLayerCache(pool, i, self.streams) for i in range(cfg.num_layers)],
+                         layers=[PagedLayerCache(pool, i, self.streams, memo) for i in range(cfg.num_layers)],
                          dtype=pool.dtype)
         self.next_pos = torch.tensor([st.next_pos for st in self.streams], dtype=torch.int64)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from array import array
 import threading
 import time
 from collections import OrderedDict
@@ -91,11 +92,12 @@ class Request:
     policy: Optional[AttentionPolicy] = None
     need: int = 0                                     # blocks reserved
     stream: Optional[PagedStream] = None
-    fed: list = field(default_factory=list)           # tokens stored in the cache, in order
+    # Per-token state is 4 bytes a token (int32 arrays) or bounded: a conversation that runs to
+    # millions of tokens keeps its memory flat apart from these ids, which prefix reuse compares.
+    fed: array = field(default_factory=lambda: array("i"))  # tokens stored in the cache, in order
     pending: Optional[int] = None                     # sampled, not yet fed
-    generated: list = field(default_factory=list)     # emitted token ids
-    text: str = ""
-    sent: int = 0                                     # characters of text emitted
+    generated: array = field(default_factory=lambda: array("i"))  # emitted token ids
+    text: str = ""                                    # settled text not yet emitted (see _send)
     finish_reason: Optional[str] = None
     reused: int = 0                                   # prompt tokens taken from the prefix cache
     t_submit: float = 0.0
@@ -343,7 +345,7 @@ class Engine:
         """Continue the retained stream ``key`` from position ``n`` as ``r``'s stream."""
         _, toks, st = self.retained.pop(key)
         st.truncate(n, self.pool)
-        r.fed = list(toks[:n])
+        r.fed = toks[:n]
         r.reused = n
         self.metrics.prefix_hits += 1
         self.metrics.prefix_tokens += n
@@ -416,7 +418,10 @@ class Engine:
     @staticmethod
     def _send(r: Request, final: bool) -> None:
         """Emit the settled text not sent yet: all of it when ``final``, else all but a tail
-        that could still grow into a stop string."""
+        that could still grow into a stop string. Only that tail stays in ``r.text``: a stop
+        string completed later starts inside it (text before it was no stop string's start
+        when sent), so emitted text is never looked at again and a long reply's text is not
+        kept (or copied on every token)."""
         end = len(r.text)
         if not final:
             for s in r.stop:
@@ -424,9 +429,9 @@ class Engine:
                     if r.text.endswith(s[:k]):
                         end = min(end, len(r.text) - k)
                         break
-        if end > r.sent:
-            r.emit("text", r.text[r.sent:end])
-            r.sent = end
+        if end > 0:
+            r.emit("text", r.text[:end])
+            r.text = r.text[end:]
 
     def _finish(self, r: Request, reason: Optional[str] = None, error: Optional[str] = None) -> None:
         if r in self.running:
@@ -437,7 +442,7 @@ class Engine:
         st, r.stream = r.stream, None
         if st is not None:
             if error is None and reason != "cancelled" and self.config.retain and r.fed:
-                self.retained[r.key] = (r.policy_key, tuple(r.fed), st)
+                self.retained[r.key] = (r.policy_key, r.fed, st)  # r is done: its ids stay as they are
                 while len(self.retained) > self.config.retain:
                     _, (_, _, old) = self.retained.popitem(last=False)
                     old.release(self.pool)

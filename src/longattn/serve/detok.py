@@ -12,7 +12,8 @@ from __future__ import annotations
 
 
 class IncrementalText:
-    """``push(token_id) -> str``: the text that token settles (possibly empty)."""
+    """``push(token_id) -> str``: the text that token settles (possibly empty). Holds the last
+    ``CONTEXT`` ids and those not yet settled, however many were pushed."""
 
     # tokens of context decoded before the unread ones
     CONTEXT = 6
@@ -32,6 +33,8 @@ class IncrementalText:
         now = self._decode(self.ids[self.prefix:])
         if len(now) <= len(before) or now.endswith("\ufffd"):
             return ""
-        self.prefix = max(0, len(self.ids) - self.CONTEXT)
-        self.read = len(self.ids)
+        # only the context is decoded again: drop the ids before it (bounded memory however
+        # long the output)
+        del self.ids[:max(0, len(self.ids) - self.CONTEXT)]
+        self.prefix, self.read = 0, len(self.ids)
         return now[len(before):]
