@@ -13,8 +13,10 @@ are book text cut to ``--prompts`` tokens (longattn's tokenizer; llama.cpp token
 text itself, so its count is reported beside). A first untimed run of each arm per model
 warms the page cache and longattn's prepared-weights cache: the figures are warm starts;
 ``--cold`` times one run per model with an empty ``$LONGATTN_CACHE`` first. ``--window W``
-adds a third arm on prompts longer than W: longattn with ``--policy global --window W --sinks
-4`` (the layers the checkpoint leaves global read W keys and 4 sinks; trained windows stay).
+adds an arm on prompts longer than W: longattn with ``--policy global --window W --sinks 4``
+(the layers the checkpoint leaves global read W keys and 4 sinks; trained windows stay).
+``--aot`` adds an arm decoding with the step built ahead of time (``--compile aot``; the
+untimed round 0 builds it, so the timed runs load it).
 
     python benchmarks/first_token.py --threads 2 --llamacpp-python /path/to/venv/bin/python
 
@@ -120,6 +122,8 @@ def main():
                     help="first time one run per model with an empty LONGATTN_CACHE")
     ap.add_argument("--window", type=int, default=None,
                     help="add a window + 4 sinks arm on prompts longer than this window")
+    ap.add_argument("--aot", action="store_true",
+                    help="add an arm decoding with the ahead-of-time step (--compile aot; round 0 builds it)")
     ap.add_argument("--out", default=str(RESULTS / "first_token.json"))
     args = ap.parse_args()
 
@@ -148,6 +152,8 @@ def main():
                 arms = {"longattn": [longattn_bin, "generate", "--model", name, "--prompt-file", str(f),
                                      "--max-new-tokens", str(args.new_tokens), "--threads", str(args.threads),
                                      "--json"]}
+                if args.aot:
+                    arms["longattn-aot"] = arms["longattn"][:-1] + ["--compile", "aot", "--json"]
                 if args.window and n > args.window:
                     arms["longattn-window"] = arms["longattn"][:-1] + [
                         "--policy", "global", "--window", str(args.window), "--sinks", "4", "--json"]

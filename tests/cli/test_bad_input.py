@@ -93,6 +93,15 @@ def test_impossible_options_refused(cli, tiny_gguf, args, needle):
     assert "--policy window" not in r.stderr  # never blames a policy the user did not pass
 
 
+def test_compile_aot_refused_in_one_line_where_it_cannot_run(cli, tiny_gguf):
+    """The ahead-of-time step calls the native kernels (off in these runs) and has no sparse
+    path: both refused in one line before anything is read or written."""
+    for extra, needle in [((), "native kernels"), (("--policy", "sparse"), "window and dense layers")]:
+        _refused(cli("generate", "--model", tiny_gguf, "--max-new-tokens", 1, "--compile", "aot", *extra),
+                 needle, [])
+    _refused(cli("generate", "--model", tiny_gguf, "--compile", "sometimes"), "invalid choice", [])
+
+
 def test_stream_chunk_zero_refused_like_generate(cli, tiny_gguf):
     _refused(cli("stream", "--model", tiny_gguf, "--chunk", 0), "--chunk must be >= 1", [])
 

@@ -29,8 +29,10 @@ def add_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk size (tokens)")
-    p.add_argument("--compile", action="store_true",
-                   help="decode with the fixed-shape step compiled by torch.compile (first step compiles)")
+    p.add_argument("--compile", nargs="?", const="jit", choices=["jit", "aot"], default=None,
+                   help="decode with the fixed-shape step: jit (the default with no value) compiles it with "
+                        "torch.compile in this run; aot loads it built ahead of time from the cache, building "
+                        "it there on first use (under a minute per model, format, policy and machine)")
     add_policy_args(p, auto=True)
     p.add_argument("--sparse-calibrate", action="store_true", default=argparse.SUPPRESS,
                    help="sparse: calibrate the taus in this run's first decode steps (run exactly) "
@@ -85,6 +87,14 @@ def run(args) -> int:
     if args.policy == "auto" and getattr(args, "sparse_calibrate", False):
         raise LongattnError("--policy auto never calibrates (it engages SCSA only with taus kept by an "
                             "earlier run); calibrate with --policy sparse --sparse-calibrate")
+    if args.compile == "aot" and args.policy in ("sparse", "auto"):
+        raise LongattnError("--compile aot runs window and dense layers only; use --compile for --policy "
+                            f"{args.policy}")
+    if args.compile == "aot":
+        from ..ops import native
+        if not native.available():
+            raise LongattnError("--compile aot calls longattn's native kernels, which are not built here "
+                                "(or --reference is set); decode without it")
     if args.prompt_file:
         text = read_text_file(args.prompt_file, "prompt file")
     else:
@@ -110,9 +120,13 @@ def run(args) -> int:
     load_s = time.perf_counter() - t_load
     if args.compile:
         from ..engine.static_step import StaticDecoder
-        session = StaticDecoder(model, policy, max_len=len(ids) + max(args.max_new_tokens, 1), compile=True)
-        print("-- compiling the decode step ...", file=sys.stderr, flush=True)
-        print(f"-- compiled in {session.warmup():.1f} s", file=sys.stderr)
+        max_len = len(ids) + max(args.max_new_tokens, 1)
+        if args.compile == "aot":
+            session = StaticDecoder(model, policy, max_len=max_len, compile="aot")
+        else:
+            session = StaticDecoder(model, policy, max_len=max_len, compile=True)
+            print("-- compiling the decode step ...", file=sys.stderr, flush=True)
+            print(f"-- compiled in {session.warmup():.1f} s", file=sys.stderr)
     else:
         session = Session(model, policy)
     streamer = TextStreamer(ck.tokenizer)
@@ -138,7 +152,8 @@ def run(args) -> int:
     summary = {"model": ck.name, "prompt_tokens": res.prompt_tokens, "new_tokens": n,
                "prefill_tok_s": round(pps, 2), "decode_tok_s": round(tps, 2),
                "cache_bytes": res.cache_bytes, "threads": args.threads, "weights": model.weights,
-               "kernels": kernels, "compiled": bool(args.compile), "load_s": round(load_s, 3),
+               "kernels": kernels, "compiled": bool(args.compile), "step": args.compile or "eager",
+               "load_s": round(load_s, 3),
                "prefill_s": round(res.prefill_seconds, 3), "decode_s": round(res.decode_seconds, 3),
                "first_token_after_start_s": round(token_times[0], 2) if token_times else None,
                "peak_rss_bytes": peak_rss_bytes(), **taus.report(session.cache),

@@ -198,9 +198,13 @@ class StaticDecoder:
             stream in ``self.sparse``; see sparse/static_op.py). Re-indexing needs the eager
             Session.
         batch: streams. max_len: positions a stream may reach (prompt + new tokens).
-        compile: ``torch.compile`` the step (inductor, static shapes, one graph).
+        compile: ``True``: ``torch.compile`` the step (inductor, static shapes, one graph,
+            traced in every process); ``"aot"``: load the step built ahead of time for this
+            model's structure from the cache, building it there first if needed (any
+            ``max_len``; engine/aot_step.py; window and dense layers, native kernels);
+            ``False``: run it eagerly.
         dynamic: compile the full-attention buffers' length as a symbol, so ``reset`` to
-            another ``max_len`` reuses the graph instead of compiling a new one.
+            another ``max_len`` reuses the graph instead of compiling a new one (``True`` only).
         inductor_options: ``torch.compile`` options (inductor config keys); default
             ``DEFAULT_INDUCTOR_OPTIONS`` (the C++ wrapper), ``{}`` for inductor's defaults.
         attention: how the step reads its buffers: "fused" (the default: longattn's C++
@@ -228,11 +232,19 @@ class StaticDecoder:
         self.sparse = SparseState(self.policy.sparse_config or SCSAConfig(), cfg.num_heads, cfg.num_kv_heads,
                                   cfg.head_dim, policy_taus(self.policy)) if "sparse" in kinds else None
         static_kernel(attention)  # refuses an unknown name before any buffer is made
+        if compile not in (True, False, "aot"):
+            raise LongattnError(f"compile is True, False or 'aot', got {compile!r}")
+        if compile == "aot" and "sparse" in kinds:
+            raise LongattnError("the ahead-of-time step runs window and dense layers only; "
+                                "use compile=True for sparse layers")
+        if compile == "aot" and dynamic:
+            raise LongattnError("dynamic is for compile=True: the ahead-of-time step serves every length already")
         self.batch, self.dynamic, self.attention = batch, dynamic, attention
         self._policy = _StaticPolicy(self.policy, attention, self.sparse)
         self.compiled = compile
         self.inductor_options = dict(DEFAULT_INDUCTOR_OPTIONS if inductor_options is None else inductor_options)
-        self._compiled = self._compile() if compile else None
+        self._compiled = self._compile() if compile is True else None
+        self._aot = None  # the AOTStep for the current buffers (reset loads it)
         self._cache_tag = "|".join(t for t in (torch.compiler.config.cache_key_tag, native.build_tag()) if t)
         self.reset(max_len)
 
@@ -268,6 +280,12 @@ class StaticDecoder:
                     for t, dim in ((self.kv.kg[g], 3), (self.kv.vg[g], 3), (self.kv.posg[g], 1)):
                         torch._dynamo.mark_dynamic(t, dim)
         self.next_pos = torch.zeros(self.batch, dtype=torch.int64)
+        if self.compiled == "aot":
+            from .aot_step import AOTStep, step_key
+            # one package serves every length; another only where the buffers' layout changed
+            # (a window that no longer fits max_len makes its ring a full buffer)
+            if self._aot is None or self._aot.key != step_key(self):
+                self._aot = AOTStep(self)
 
     def _step(self, tokens: torch.Tensor, pos: torch.Tensor):
         """-> (logits ``[B, V]``, per group the stacked ``(k, v)`` of this step, not yet written)."""
@@ -277,6 +295,8 @@ class StaticDecoder:
             self.kv.pending.clear()  # every call starts from the same (traced) state
 
     def _run(self, tokens: torch.Tensor, pos: torch.Tensor):
+        if self._aot is not None:
+            return self._aot(tokens, pos)
         if self._compiled is None:
             return self._step_eager(tokens, pos)
         # dynamo counts compiled variants per code object (here: per decoder, see _compile);

@@ -1,0 +1,182 @@
+"""The static decode step built ahead of time: one AOTInductor package per step structure, cached.
+
+``torch.compile`` traces the step in every new process (dynamo, ~15 s warm, 1.5-2 minutes
+cold). Here the step is exported once (``torch.export``, the KV buffers as inputs, the
+full-attention buffers' length a symbol), compiled by AOTInductor into a shared library without
+the weights, and written to
+``$LONGATTN_CACHE/steps/<key>/step.pt2``; later processes load it in milliseconds and hand it
+the model's own weight tensors (``load_constants(user_managed=True)``: no copy, so prepared
+weights stay memory-mapped).
+
+The package depends on the model's structure, not its weight values, so the key hashes what
+the generated code depends on: the config, the weight format, each layer's attention, the batch,
+which layers share a buffer and which buffers are rings, the attention kernel, torch's version, the native kernels' build, the CPU's
+vector capability (inductor vectorizes for it) and the thread count (written into its loops).
+Another source file of the same model in the same format reuses the package (its weights come
+from the prepared-weights cache, which is keyed by the source); another format, policy, shape,
+machine or kernel build gets its own. Entries are written atomically with a checksum
+(``paths.atomic_dir``): a killed build leaves nothing in place, and a damaged entry is rebuilt
+with a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..checkpoint.digest import content_digest
+from ..checkpoint.load import CHECKSUM, discard_entry, entry_intact
+from ..checkpoint.paths import atomic_dir, cache_root
+from ..errors import LongattnError
+from ..ops import native
+
+AOT_VERSION = "1"  # bump when the exported step's inputs, outputs or structure change
+STEP_FILE = "step.pt2"
+
+
+def step_key(decoder) -> str:
+    """Cache key of ``decoder``'s step (see the module docstring for what it covers)."""
+    model = decoder.model
+    layers = [(lp.kind, lp.window, lp.sinks) for lp in decoder.policy.layers]
+    kv = decoder.kv  # which layers share a buffer, and which buffers are rings (of what size)
+    parts = {"version": AOT_VERSION, "config": dataclasses.asdict(model.config), "weights": model.weights,
+             "dtype": str(model.activation_dtype), "layers": layers, "batch": decoder.batch,
+             "groups": [kv.group_rings, kv.members], "attention": decoder.attention, "torch": torch.__version__,
+             "kernels": native.build_tag(), "cpu": torch.backends.cpu.get_cpu_capability(),
+             # inductor writes the thread count into its parallel loops
+             "threads": torch.get_num_threads()}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class _ExportedStep(torch.nn.Module):
+    """``forward(tokens [B], pos [B, 1], *kg, *vg, *posg) -> (logits [B, V], k_0, v_0, k_1, ...)``:
+    the decoder's step with its KV buffers passed in (a package's inputs, not baked-in
+    constants) and each group's stacked new keys and values returned."""
+
+    def __init__(self, decoder):
+        super().__init__()
+        self.decoder = decoder
+        self.model = decoder.model  # its parameters and buffers are the package's constants
+
+    def forward(self, tokens, pos, *buffers):
+        kv, g = self.decoder.kv, len(self.decoder.kv.kg)
+        saved = kv.kg, kv.vg, kv.posg
+        kv.kg, kv.vg, kv.posg = list(buffers[:g]), list(buffers[g:2 * g]), list(buffers[2 * g:])
+        try:
+            logits, pending = self.decoder._step_eager(tokens, pos)
+        finally:
+            kv.kg, kv.vg, kv.posg = saved
+            kv.pending.clear()
+        return (logits, *[t for pair in pending for t in pair])
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Hide torch's own deprecation notices from export and package loading (not the user's
+    concern)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
+
+
+def _resolve(model, fqn: str):
+    """The object the exported name ``fqn`` ("model.<attribute path>") names in ``model``:
+    parameters, buffers and plain tensor attributes (export lifts those as constants)."""
+    obj = model
+    for part in fqn.split(".")[1:]:
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _files(entry: Path) -> list:
+    return [entry / STEP_FILE]
+
+
+def _complete(entry: Path) -> bool:
+    return (entry / STEP_FILE).exists() and (entry / CHECKSUM).exists()
+
+
+def _example_inputs(decoder) -> tuple:
+    kv = decoder.kv
+    return (torch.zeros(decoder.batch, dtype=torch.int64), torch.full((decoder.batch, 1), -1, dtype=torch.int64),
+            *kv.kg, *kv.vg, *kv.posg)
+
+
+def _dynamic_shapes(decoder) -> list:
+    """The full-attention buffers' slot count is a symbol (ring buffers keep their fixed size),
+    so one package serves every ``max_len``."""
+    slots = torch.export.Dim("slots", min=2, max=1 << 24)
+    full = [ring is None for ring in decoder.kv.group_rings]
+    return [None, None, tuple([{3: slots} if f else None for f in full] * 2 + [{1: slots} if f else None for f in full])]
+
+
+def _build(decoder, entry: Path, progress: bool) -> None:
+    if progress:
+        print("-- building the ahead-of-time decode step (once per model, format, policy and machine; "
+              "under a minute)", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    try:
+        with torch.no_grad(), _quiet():
+            ep = torch.export.export(_ExportedStep(decoder), _example_inputs(decoder),
+                                     dynamic_shapes=_dynamic_shapes(decoder), strict=False)
+        with atomic_dir(entry, complete=_complete) as tmp, _quiet():
+            torch._inductor.aoti_compile_and_package(
+                ep, package_path=str(tmp / STEP_FILE),
+                # the weights stay out of the library: each process passes the model's own tensors
+                inductor_configs={"aot_inductor.package_constants_in_so": False})
+            (tmp / CHECKSUM).write_text(json.dumps({"sha256": content_digest(_files(tmp), remember=False)}))
+    except Exception as e:  # export or the C++ build failed: say so in one line, leave nothing
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise LongattnError(f"the ahead-of-time decode step could not be built ({type(e).__name__}: "
+                            f"{first[:200]}); decode without --compile aot") from None
+    if progress:
+        print(f"-- built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+
+
+class AOTStep:
+    """A loaded package bound to ``decoder``'s model: ``self(tokens, pos) -> (logits [B, V],
+    per group the stacked (k, v) of the step)``, like ``StaticDecoder._step_eager``.
+
+    Args:
+        decoder: a StaticDecoder (its buffers decide the shapes; window and dense layers only).
+        progress: print a line on stderr while a package is built.
+    """
+
+    def __init__(self, decoder, progress: bool = True):
+        if not native.available():
+            raise LongattnError("the ahead-of-time step calls longattn's native kernels, which are not "
+                                "built here (or --reference is set); use --compile or the eager path")
+        self.decoder = decoder
+        self.key = step_key(decoder)
+        entry = cache_root() / "steps" / self.key
+        if _complete(entry) and not entry_intact(entry, _files):
+            warnings.warn(f"ahead-of-time step {entry} is damaged (checksum mismatch); building it again",
+                          stacklevel=2)
+            discard_entry(entry)
+        if not _complete(entry):
+            _build(decoder, entry, progress)
+        self.path = entry / STEP_FILE
+        with _quiet():
+            self.runner = torch._inductor.aoti_load_package(str(self.path))
+        tensors = {f: _resolve(decoder.model, f) for f in self.runner.get_constant_fqns()}
+        missing = [f for f, t in tensors.items() if not isinstance(t, torch.Tensor)]
+        if missing:
+            raise LongattnError(f"the ahead-of-time step {entry} expects tensors the model lacks: {missing[:3]}")
+        # user-managed: the package reads the model's tensors in place (they must outlive it)
+        self.runner.load_constants({f: t.detach() for f, t in tensors.items()}, check_full_update=True,
+                                   user_managed=True)
+
+    def __call__(self, tokens: torch.Tensor, pos: torch.Tensor):
+        kv = self.decoder.kv
+        # the loader's flat call: the inputs and outputs are flat already, so the package's
+        # pytree handling (tree specs parsed on every call) is skipped
+        out = self.runner.loader.boxed_run([tokens, pos, *kv.kg, *kv.vg, *kv.posg])
+        return out[0], [(out[1 + 2 * g], out[2 + 2 * g]) for g in range(len(kv.kg))]
