@@ -122,6 +122,8 @@ def _build(decoder, entry: Path, progress: bool) -> None:
     if progress:
         print("-- building the ahead-of-time decode step (once per model, format, policy and machine; "
               "under a minute)", file=sys.stderr, flush=True)
+    import torch._inductor  # only a build needs inductor (loading does not import it)
+    import torch.export
     t0 = time.perf_counter()
     try:
         with torch.no_grad(), _quiet():
@@ -164,19 +166,21 @@ class AOTStep:
         if not _complete(entry):
             _build(decoder, entry, progress)
         self.path = entry / STEP_FILE
-        with _quiet():
-            self.runner = torch._inductor.aoti_load_package(str(self.path))
-        tensors = {f: _resolve(decoder.model, f) for f in self.runner.get_constant_fqns()}
+        # The C++ loader itself: torch._inductor.aoti_load_package imports inductor (~0.9 s) and
+        # probes the CPU's vector ISA by compiling test programs (~1.2 s) only to warn on a
+        # mismatch, which the key already rules out. Arguments: the package's model name, not
+        # single-threaded, one runner, the CPU.
+        self.loader = torch._C._aoti.AOTIModelPackageLoader(str(self.path), "model", False, 1, -1)
+        tensors = {f: _resolve(decoder.model, f) for f in self.loader.get_constant_fqns()}
         missing = [f for f, t in tensors.items() if not isinstance(t, torch.Tensor)]
         if missing:
             raise LongattnError(f"the ahead-of-time step {entry} expects tensors the model lacks: {missing[:3]}")
-        # user-managed: the package reads the model's tensors in place (they must outlive it)
-        self.runner.load_constants({f: t.detach() for f, t in tensors.items()}, check_full_update=True,
-                                   user_managed=True)
+        # user-managed: the package reads the model's tensors in place (they must outlive it);
+        # then: not the inactive buffer, check that every constant is set, no copy to a device
+        self.loader.load_constants({f: t.detach() for f, t in tensors.items()}, False, True, True, False)
 
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor):
         kv = self.decoder.kv
-        # the loader's flat call: the inputs and outputs are flat already, so the package's
-        # pytree handling (tree specs parsed on every call) is skipped
-        out = self.runner.loader.boxed_run([tokens, pos, *kv.kg, *kv.vg, *kv.posg])
+        # the inputs and outputs are flat already: no pytree specs to parse on every call
+        out = self.loader.boxed_run([tokens, pos, *kv.kg, *kv.vg, *kv.posg])
         return out[0], [(out[1 + 2 * g], out[2 + 2 * g]) for g in range(len(kv.kg))]
