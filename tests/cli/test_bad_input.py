@@ -93,9 +93,11 @@ def test_impossible_options_refused(cli, tiny_gguf, args, needle):
     assert "--policy window" not in r.stderr  # never blames a policy the user did not pass
 
 
-def test_compile_aot_refused_in_one_line_where_it_cannot_run(cli, tiny_gguf):
-    """The ahead-of-time step calls the native kernels (off in these runs) and has no sparse
-    path: both refused in one line before anything is read or written."""
+def test_compile_aot_refused_in_one_line_where_it_cannot_run(cli, tiny_gguf, monkeypatch):
+    """The ahead-of-time step calls the native kernels and has no sparse path: both refused in
+    one line before anything is read or written."""
+    from longattn.ops import native
+    monkeypatch.setattr(native, "available", lambda: False)  # as if not built (an earlier test may have)
     for extra, needle in [((), "native kernels"), (("--policy", "sparse"), "window and dense layers")]:
         _refused(cli("generate", "--model", tiny_gguf, "--max-new-tokens", 1, "--compile", "aot", *extra),
                  needle, [])

@@ -55,6 +55,16 @@ def test_aot_step_agrees_with_reference_and_reads_the_weights_it_is_given(cache)
     assert max_err(got, want) <= tol and max_err(got, ref) > tol  # other weights, not m's
 
 
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma2"])  # routed experts and learned sinks; softcaps
+def test_aot_step_agrees_with_reference_on_other_families(cache, family):
+    m, m64 = tiny_formats(family, "int8")
+    pol = AttentionPolicy.from_config(m.config)
+    ids = ids_for(1, T=20, seed=3)
+    ref, tol = reference_and_tol(m, m64, pol, ids, 6)
+    err = max_err(decode_logits(StaticDecoder(m, pol, max_len=24, compile="aot"), ids, 6), ref)
+    assert err <= tol, f"{err:.2e} > {tol:.2e}"
+
+
 def test_one_package_serves_every_length_and_entries_are_keyed_by_what_the_code_depends_on(cache, monkeypatch):
     m, m64 = tiny_formats("llama", "int8")
     dense = AttentionPolicy.from_config(m.config)
