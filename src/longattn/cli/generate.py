@@ -87,11 +87,11 @@ def run(args) -> int:
     if args.policy == "auto" and getattr(args, "sparse_calibrate", False):
         raise LongattnError("--policy auto never calibrates (it engages SCSA only with taus kept by an "
                             "earlier run); calibrate with --policy sparse --sparse-calibrate")
-    if args.compile == "aot" and args.policy in ("sparse", "auto"):
-        raise LongattnError("--compile aot runs window and dense layers only; use --compile for --policy "
-                            f"{args.policy}")
-    if args.compile == "aot":
+    if args.compile == "aot":  # refused here, before anything is read or built
         from ..ops import native
+        if args.policy in ("sparse", "auto"):
+            raise LongattnError("--compile aot runs window and dense layers only; use --compile for --policy "
+                                f"{args.policy}")
         if not native.available():
             raise LongattnError("--compile aot calls longattn's native kernels, which are not built here "
                                 "(or --reference is set); decode without it")

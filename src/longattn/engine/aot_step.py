@@ -104,10 +104,14 @@ def _complete(entry: Path) -> bool:
     return (entry / STEP_FILE).exists() and (entry / CHECKSUM).exists()
 
 
+def _inputs(kv, tokens: torch.Tensor, pos: torch.Tensor) -> list:
+    """The package's inputs, in _ExportedStep.forward's order."""
+    return [tokens, pos, *kv.kg, *kv.vg, *kv.posg]
+
+
 def _example_inputs(decoder) -> tuple:
-    kv = decoder.kv
-    return (torch.zeros(decoder.batch, dtype=torch.int64), torch.full((decoder.batch, 1), -1, dtype=torch.int64),
-            *kv.kg, *kv.vg, *kv.posg)
+    return tuple(_inputs(decoder.kv, torch.zeros(decoder.batch, dtype=torch.int64),
+                         torch.full((decoder.batch, 1), -1, dtype=torch.int64)))
 
 
 def _dynamic_shapes(decoder) -> list:
@@ -182,5 +186,5 @@ class AOTStep:
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor):
         kv = self.decoder.kv
         # the inputs and outputs are flat already: no pytree specs to parse on every call
-        out = self.loader.boxed_run([tokens, pos, *kv.kg, *kv.vg, *kv.posg])
+        out = self.loader.boxed_run(_inputs(kv, tokens, pos))
         return out[0], [(out[1 + 2 * g], out[2 + 2 * g]) for g in range(len(kv.kg))]

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import itertools
 import logging
-from array import array
 import threading
 import time
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Optional

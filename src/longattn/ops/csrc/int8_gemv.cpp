@@ -173,7 +173,7 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   TORCH_CHECK(x.size(1) == q.size(1) && s.size(0) == q.size(0), "int8_gemv: shapes do not match");
   // Both forms give the same bits, so automatic takes each where it is faster: one activation
   // row (memory-bound) the AVX2 rows, several (arithmetic-bound) the AVX-512 tiles.
-  const bool wide512 = isa < 0 ? x.size(0) > 1 && longattn::use_avx512(isa) : longattn::use_avx512(isa);
+  const bool wide512 = longattn::use_avx512(isa) && (isa >= 0 || x.size(0) > 1);
   const auto xc = x.contiguous();
   const auto qc = q.contiguous();
   const auto sc = s.contiguous();
