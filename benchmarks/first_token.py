@@ -15,8 +15,9 @@ warms the page cache and longattn's prepared-weights cache: the figures are warm
 ``--cold`` times one run per model with an empty ``$LONGATTN_CACHE`` first. ``--window W``
 adds an arm on prompts longer than W: longattn with ``--policy global --window W --sinks 4``
 (the layers the checkpoint leaves global read W keys and 4 sinks; trained windows stay).
-``--aot`` adds an arm decoding with the step built ahead of time (``--compile aot``; the
-untimed round 0 builds it, so the timed runs load it).
+The default step is the one built ahead of time: the untimed round 0 builds it (``--cold``
+includes its build), so the timed runs load it. ``--eager`` adds an arm decoding with the
+eager step (``--compile none``).
 
     python benchmarks/first_token.py --threads 2 --llamacpp-python /path/to/venv/bin/python
 
@@ -122,8 +123,8 @@ def main():
                     help="first time one run per model with an empty LONGATTN_CACHE")
     ap.add_argument("--window", type=int, default=None,
                     help="add a window + 4 sinks arm on prompts longer than this window")
-    ap.add_argument("--aot", action="store_true",
-                    help="add an arm decoding with the ahead-of-time step (--compile aot; round 0 builds it)")
+    ap.add_argument("--eager", action="store_true",
+                    help="add an arm decoding with the eager step (--compile none)")
     ap.add_argument("--out", default=str(RESULTS / "first_token.json"))
     args = ap.parse_args()
 
@@ -152,8 +153,8 @@ def main():
                 arms = {"longattn": [longattn_bin, "generate", "--model", name, "--prompt-file", str(f),
                                      "--max-new-tokens", str(args.new_tokens), "--threads", str(args.threads),
                                      "--json"]}
-                if args.aot:
-                    arms["longattn-aot"] = arms["longattn"][:-1] + ["--compile", "aot", "--json"]
+                if args.eager:
+                    arms["longattn-eager"] = arms["longattn"][:-1] + ["--compile", "none", "--json"]
                 if args.window and n > args.window:
                     arms["longattn-window"] = arms["longattn"][:-1] + [
                         "--policy", "global", "--window", str(args.window), "--sinks", "4", "--json"]

@@ -1,9 +1,9 @@
 """Quality cost of each weight format: bits/token against float32 weights on the bundled books.
 
     python benchmarks/weights_quality.py --threads 2 [--models ...] [--tokens 1024] [--passages 3]
-        [--formats bf16 int8 int4] [--keep-int8 qkv gate_up]
+        [--formats auto bf16 int8 int4] [--keep-int8 qkv gate_up]
 
-For every model and format, bits/token of next-token prediction over ``--passages`` passages of
+For every model and format (``auto``: the default, resolved for each checkpoint), bits/token of next-token prediction over ``--passages`` passages of
 ``--tokens`` tokens (one from each of the first bundled books, from 20% into the book body). Two
 arithmetics per quantized format:
 
@@ -32,7 +32,7 @@ from longattn.data import book_body, book_names
 from longattn.lab.plots import progress_bar
 from longattn.models import build_model
 from longattn.ops import linear
-from longattn.models.weights import parse_recipe
+from longattn.checkpoint.prepared import resolve_recipe
 from longattn.lab.stream import nll_bits
 
 
@@ -57,7 +57,7 @@ def bits_per_token(model, ids: list) -> float:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m", "qwen2.5-0.5b"])
-    ap.add_argument("--formats", nargs="*", default=["bf16", "int8", "int4"])
+    ap.add_argument("--formats", nargs="*", default=["auto", "bf16", "int8", "int4"])
     ap.add_argument("--keep-int8", nargs="*", default=[],
                     help="extra int4 arms, each keeping the matrices whose module name contains "
                          "this fragment in int8 (e.g. qkv, gate_up, down_proj, o_proj, embed)")
@@ -78,8 +78,12 @@ def main():
         arms += [(f"int4+int8:{frag}", "decode") for frag in args.keep_int8]
         bar = progress_bar(len(arms) * len(texts), desc=name, unit="passage")
         for fmt, arith in arms:
-            weights, keep = parse_recipe(fmt)
-            model = build_model(ck.config, ck.state_dict, weights=weights, keep_int8=keep)
+            # what a run with this recipe builds: auto resolved for the checkpoint, and int4 on
+            # the file's own 4-bit groups where it stores them (as prepared weights are)
+            weights, keep, blocks = resolve_recipe(ck, fmt)
+            model = build_model(ck.config, ck.state_dict, weights=weights, keep_int8=keep, int4_blocks=blocks)
+            if fmt == "auto":
+                print(f"{name}: auto is {model.weights}")
             # "decode": every matmul runs the decode-sized kernels (what a generated token sees)
             linear.WIDEN_ROWS = 1 << 30 if arith == "decode" else widen
             try:

@@ -16,8 +16,9 @@ def _vocab() -> list:
 
 
 def write_tiny_gguf(path: Path, seed: int = 0, context: int = SIZES["context"],
-                    quantized: bool = True) -> Path:
-    """Write the tiny model to ``path``; the MLP matrices are Q8_0 when ``quantized``."""
+                    quantized: bool = True, mlp_type: str = "Q8_0", attn_type: str | None = None) -> Path:
+    """Write the tiny model to ``path``; the MLP matrices are ``mlp_type`` (a GGML block type)
+    when ``quantized``, the attention projections ``attn_type`` when given (float32 otherwise)."""
     import gguf
     s = SIZES
     rng = np.random.default_rng(seed)
@@ -40,11 +41,12 @@ def write_tiny_gguf(path: Path, seed: int = 0, context: int = SIZES["context"],
     w.add_bos_token_id(len(vocab) - 1)
     w.add_eos_token_id(len(vocab) - 1)
 
-    def add(name, *shape, quant=False):
+    def add(name, *shape, quant=None):
         a = (rng.standard_normal(shape) * (0.3 if len(shape) == 1 else 0.1)).astype(np.float32)
         if quant:
-            q = gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            kind = gguf.GGMLQuantizationType[quant]
+            q = gguf.quants.quantize(a, kind)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=kind)
         else:
             w.add_tensor(name, a)
     h, d = s["hidden"], s["head_dim"]
@@ -53,14 +55,15 @@ def write_tiny_gguf(path: Path, seed: int = 0, context: int = SIZES["context"],
     add("output.weight", s["vocab"], h)
     for i in range(s["layers"]):
         add(f"blk.{i}.attn_norm.weight", h)
-        add(f"blk.{i}.attn_q.weight", s["heads"] * d, h)
-        add(f"blk.{i}.attn_k.weight", s["kv_heads"] * d, h)
-        add(f"blk.{i}.attn_v.weight", s["kv_heads"] * d, h)
-        add(f"blk.{i}.attn_output.weight", h, s["heads"] * d)
+        add(f"blk.{i}.attn_q.weight", s["heads"] * d, h, quant=attn_type)
+        add(f"blk.{i}.attn_k.weight", s["kv_heads"] * d, h, quant=attn_type)
+        add(f"blk.{i}.attn_v.weight", s["kv_heads"] * d, h, quant=attn_type)
+        add(f"blk.{i}.attn_output.weight", h, s["heads"] * d, quant=attn_type)
         add(f"blk.{i}.ffn_norm.weight", h)
-        add(f"blk.{i}.ffn_gate.weight", s["ff"], h, quant=quantized)
-        add(f"blk.{i}.ffn_up.weight", s["ff"], h, quant=quantized)
-        add(f"blk.{i}.ffn_down.weight", h, s["ff"], quant=quantized)
+        mlp = mlp_type if quantized else None
+        add(f"blk.{i}.ffn_gate.weight", s["ff"], h, quant=mlp)
+        add(f"blk.{i}.ffn_up.weight", s["ff"], h, quant=mlp)
+        add(f"blk.{i}.ffn_down.weight", h, s["ff"], quant=mlp)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -55,9 +55,10 @@ def test_aot_step_agrees_with_reference_and_reads_the_weights_it_is_given(cache)
     assert max_err(got, want) <= tol and max_err(got, ref) > tol  # other weights, not m's
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "gemma2"])  # routed experts and learned sinks; softcaps
-def test_aot_step_agrees_with_reference_on_other_families(cache, family):
-    m, m64 = tiny_formats(family, "int8")
+# routed experts and learned sinks; softcaps; int4 groups (the default format of Q4 files)
+@pytest.mark.parametrize("family, weights", [("gpt_oss", "int8"), ("gemma2", "int8"), ("llama", "int4")])
+def test_aot_step_agrees_with_reference_on_other_families(cache, family, weights):
+    m, m64 = tiny_formats(family, weights)
     pol = AttentionPolicy.from_config(m.config)
     ids = ids_for(1, T=20, seed=3)
     ref, tol = reference_and_tol(m, m64, pol, ids, 6)
@@ -121,3 +122,22 @@ def test_aot_refuses_what_it_cannot_build():
         StaticDecoder(m, compile="jit")
     with pytest.raises(LongattnError, match="every length already"):
         StaticDecoder(m, max_len=16, compile="aot", dynamic=True)
+
+
+def test_generate_runs_the_ahead_of_time_step_and_the_files_int4_by_default(tmp_path):
+    import json
+
+    from cli_helpers import run_cli
+    from longattn.checkpoint.paths import cache_root
+    from tiny_gguf import write_tiny_gguf
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", mlp_type="Q4_1", attn_type="Q4_0")
+    runs = {}
+    for flags in ((), ("--compile", "none"), ("--policy", "sparse")):
+        # the user's cache: its kernels are built already (a private one would build them again)
+        r = run_cli(["generate", "--model", gguf, "--prompt", "the cat", "--max-new-tokens", 4, "--json",
+                     "--threads", 2, *flags], cache_root(), native=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+        runs[flags] = json.loads(r.stdout.strip().splitlines()[-1])
+    steps = [run["step"] for run in runs.values()]
+    assert steps == ["aot", "eager", "eager"]  # sparse layers have no ahead-of-time step
+    assert {run["weights"] for run in runs.values()} == {"int4+int8:embed,lm_head"}

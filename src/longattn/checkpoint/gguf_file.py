@@ -191,6 +191,35 @@ def iter_gguf_tensors(reader):
         yield t.name, w
 
 
+def _hf_name(name: str, cfg: ModelConfig, path: Path) -> tuple:
+    """``(HF tensor name, heads)`` of GGUF tensor ``name``: ``heads`` > 0 where its rows must be
+    unpermuted (``_unpermute_qk``), name None for a tensor read into the config instead.
+    Raises LongattnError for a tensor the family does not have."""
+    norms = _NORMS_GEMMA3 if cfg.family in ("gemma2", "gemma3") else _NORMS_PLAIN
+    layer_names = {**_LAYER_NAMES, **(_LAYER_NAMES_PHI3 if cfg.family == "phi3" else {})}
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight", 0
+    if name == "output_norm.weight":
+        return "model.norm.weight", 0
+    if name == "output.weight":
+        return "lm_head.weight", 0
+    if name.startswith("blk."):
+        _, i, part, kind = name.split(".", 3)
+        mapped = layer_names.get(part) or norms.get(part)
+        if mapped is None:
+            raise LongattnError(f"{path.name}: unexpected tensor '{name}' for {cfg.family}")
+        heads = 0
+        if cfg.family == "llama" and part in ("attn_q", "attn_k"):
+            heads = cfg.num_heads if part == "attn_q" else cfg.num_kv_heads
+        return f"model.layers.{i}.{mapped}.{kind}", heads
+    if name == "rope_freqs.weight":
+        return None, 0  # read into cfg.rope_scaling by read_gguf_config
+    if name.startswith("rope_factors_"):
+        raise LongattnError(f"{path.name}: long-context rope factors ({name}) are not implemented in "
+                            "GGUF files; load the model's HF directory instead")
+    raise LongattnError(f"{path.name}: unexpected tensor '{name}'")
+
+
 def load_gguf(path: str | os.PathLike, progress=None) -> tuple[ModelConfig, dict]:
     """Parse and dequantize a GGUF file.
 
@@ -209,33 +238,15 @@ def load_gguf(path: str | os.PathLike, progress=None) -> tuple[ModelConfig, dict
     except Exception as e:
         raise LongattnError(f"{path.name}: incomplete GGUF metadata ({type(e).__name__}: {e})") from None
     check_gguf_structure(reader, cfg, path)
-    norms = _NORMS_GEMMA3 if cfg.family in ("gemma2", "gemma3") else _NORMS_PLAIN
-    layer_names = {**_LAYER_NAMES, **(_LAYER_NAMES_PHI3 if cfg.family == "phi3" else {})}
     sd: dict = {}
     tensors = iter_gguf_tensors(reader)
     for name, w in (progress(tensors, total=len(reader.tensors)) if progress else tensors):
         check_values(name, w, path)
-        if name == "token_embd.weight":
-            key = "model.embed_tokens.weight"
-        elif name == "output_norm.weight":
-            key = "model.norm.weight"
-        elif name == "output.weight":
-            key = "lm_head.weight"
-        elif name.startswith("blk."):
-            _, i, part, kind = name.split(".", 3)
-            mapped = layer_names.get(part) or norms.get(part)
-            if mapped is None:
-                raise LongattnError(f"{path.name}: unexpected tensor '{name}' for {cfg.family}")
-            key = f"model.layers.{i}.{mapped}.{kind}"
-            if cfg.family == "llama" and part in ("attn_q", "attn_k"):
-                w = _unpermute_qk(w, cfg.num_heads if part == "attn_q" else cfg.num_kv_heads)
-        elif name == "rope_freqs.weight":
-            continue  # read into cfg.rope_scaling by read_gguf_config
-        elif name.startswith("rope_factors_"):
-            raise LongattnError(f"{path.name}: long-context rope factors ({name}) are not implemented in "
-                                "GGUF files; load the model's HF directory instead")
-        else:
-            raise LongattnError(f"{path.name}: unexpected tensor '{name}'")
+        key, heads = _hf_name(name, cfg, path)
+        if key is None:
+            continue
+        if heads:
+            w = _unpermute_qk(w, heads)
         if cfg.norm_plus_one and key.endswith("norm.weight"):
             w = w - 1.0
         sd[key] = w
@@ -243,3 +254,45 @@ def load_gguf(path: str | os.PathLike, progress=None) -> tuple[ModelConfig, dict
         from .hf_dir import split_fused
         sd = split_fused(cfg, sd)
     return cfg, sd
+
+
+# GGUF block formats whose values int4 (models.weights: groups of 32, ``d * u + m``, float16 d
+# and m) holds exactly: Q4_1 is that layout byte for byte, Q4_0 is ``d * (u - 8)``.
+INT4_EXACT_TYPES = {"Q4_0": 18, "Q4_1": 20}  # bytes per block of 32
+
+
+def read_int4_blocks(path: str | os.PathLike) -> dict:
+    """The GGUF's 4-bit matrices as int4 parts, read as stored (nothing dequantized).
+
+    Returns:
+        HF tensor name -> (codes ``[N, K/2]`` uint8, d ``[N, K/32]`` float16, m ``[N, K/32]``
+        float16) for every Q4_0 and Q4_1 matrix: ``dequantize_int4(codes, d, m)`` equals the
+        float32 weight ``load_gguf`` gives, bit for bit (llama's Q/K rows unpermuted alike).
+        Phi-3's fused matrices, split after loading, are left out (they are quantized instead).
+    """
+    path = Path(path)
+    reader = _open(path)
+    cfg = read_gguf_config(reader, path)
+    out = {}
+    for t in reader.tensors:
+        size = INT4_EXACT_TYPES.get(t.tensor_type.name)
+        if size is None or len(t.shape) != 2:
+            continue
+        key, heads = _hf_name(t.name, cfg, path)
+        if key is None or (cfg.family == "phi3" and key.endswith(("qkv_proj.weight", "gate_up_proj.weight"))):
+            continue
+        raw = np.asarray(t.data, dtype=np.uint8)
+        N = raw.shape[0]
+        blocks = raw.reshape(N, -1, size)
+        d = torch.from_numpy(np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0])
+        if size == 20:  # Q4_1: d, m, 16 bytes of nibbles
+            m = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0])
+        else:  # Q4_0: d, 16 bytes; -8 d is exact in float16 unless it overflows
+            m = d * -8
+            if not bool(torch.isfinite(m).all()):
+                continue
+        codes = torch.from_numpy(np.ascontiguousarray(blocks[..., size - 16:]).reshape(N, -1))
+        if heads:
+            codes, d, m = (_unpermute_qk(x, heads) for x in (codes, d, m))
+        out[key] = (codes.contiguous(), d.contiguous(), m.contiguous())
+    return out

@@ -1,7 +1,9 @@
 """Prepared weights: a quantized model's tensors written once to the cache, memory-mapped after.
 
-The first run with ``--weights int8`` (int4, bf16) reads the float32 weights, builds the
-quantized model and writes its state to ``$LONGATTN_CACHE/prepared/<key>/model.pt``; every
+The first run with a weight recipe (``auto``, int8, int4, bf16) reads the float32 weights,
+builds the quantized model (int4 takes a GGUF's own 4-bit groups where it stores them) and
+writes its state to ``$LONGATTN_CACHE/prepared/<key>/model.pt``, with the recipe it was built
+with in ``recipe.json`` (what ``auto`` resolved to); every
 later run maps that file and builds the model around it (models.prepared): no float32 copy,
 no quantization, and the pages are the page cache's, shared by every process using the model.
 The key hashes the float32 weights' content key (the source's digest and the converter
@@ -25,7 +27,7 @@ from .digest import content_digest, remember_digest
 from .load import CHECKSUM, LoadedCheckpoint, discard_entry, entry_intact
 from .paths import atomic_dir, cache_root
 
-PREPARED_VERSION = "1"  # bump when the saved layout (module names, packing) changes
+PREPARED_VERSION = "2"  # bump when the saved layout (module names, packing) or its source changes
 MODEL_FILE = "model.pt"
 
 
@@ -34,12 +36,15 @@ def prepared_key(weights_key: str, recipe: str) -> str:
     return hashlib.sha256(f"{weights_key}|{recipe}|{PREPARED_VERSION}".encode()).hexdigest()[:16]
 
 
+RECIPE_FILE = "recipe.json"  # the recipe the state was built with (what ``auto`` resolved to)
+
+
 def _files(entry: Path) -> list:
-    return [entry / MODEL_FILE]
+    return [entry / MODEL_FILE, entry / RECIPE_FILE]
 
 
 def _complete(entry: Path) -> bool:
-    return (entry / MODEL_FILE).exists() and (entry / CHECKSUM).exists()
+    return all((entry / f).exists() for f in (MODEL_FILE, RECIPE_FILE, CHECKSUM))
 
 
 def _remember_source(ck: LoadedCheckpoint) -> None:
@@ -67,22 +72,45 @@ def _stages(desc: str, progress: bool):
     return stage
 
 
+def _int4_blocks(ck: LoadedCheckpoint) -> dict:
+    """The int4 parts a GGUF source stores (gguf_file.read_int4_blocks); none for HF dirs."""
+    if ck.source.is_dir():
+        return {}
+    from .gguf_file import read_int4_blocks
+    return read_int4_blocks(ck.source)
+
+
+def resolve_recipe(ck: LoadedCheckpoint, recipe: str) -> tuple:
+    """``(fmt, keep_int8, int4_blocks)`` to build ``recipe`` from: ``auto`` becomes its
+    concrete recipe for this checkpoint (models.weights.auto_recipe); int4 takes the
+    checkpoint's own 4-bit groups where it stores them."""
+    from ..models.weights import AUTO, auto_recipe, parse_recipe
+    fmt, keep = parse_recipe(recipe)
+    blocks = _int4_blocks(ck) if fmt in (AUTO, "int4") else {}
+    if fmt == AUTO:
+        matrices = [k for k, t in ck.state_dict.items() if t.dim() == 2]
+        fmt, keep = parse_recipe(auto_recipe(matrices, blocks))
+    return fmt, keep, (blocks if fmt == "int4" else {})
+
+
 def prepared_model(ck: LoadedCheckpoint, recipe: str, progress: bool = True):
     """The model of ``ck`` with ``recipe`` weights (models.weights), from the prepared cache.
 
     f32 (and any checkpoint without a content key) is built from the float32 weights as
     before. Otherwise the entry is mapped when present and intact, else built once (a
     progress line on stderr) and written. The model gives the same outputs either way.
+    ``auto`` is keyed as written; its entry records the recipe it resolved to (``recipe.json``).
     """
     import torch
 
     from ..models import build_model
     from ..models.prepared import PREPARED_FORMATS, from_prepared
-    from ..models.weights import parse_recipe, recipe_name
+    from ..models.weights import AUTO, parse_recipe, recipe_name
     fmt, keep = parse_recipe(recipe)
-    if fmt not in PREPARED_FORMATS or ck.weights_key is None:
-        return build_model(ck.config, ck.state_dict, weights=fmt, keep_int8=keep)
-    canonical = recipe_name(fmt, keep)
+    if (fmt not in PREPARED_FORMATS and fmt != AUTO) or ck.weights_key is None:
+        fmt, keep, blocks = resolve_recipe(ck, recipe)
+        return build_model(ck.config, ck.state_dict, weights=fmt, keep_int8=keep, int4_blocks=blocks)
+    canonical = AUTO if fmt == AUTO else recipe_name(fmt, keep)
     entry = cache_root() / "prepared" / prepared_key(ck.weights_key, canonical)
     if _complete(entry) and not entry_intact(entry, _files):
         warnings.warn(f"prepared weights {entry} are damaged (checksum mismatch); preparing again",
@@ -94,20 +122,26 @@ def prepared_model(ck: LoadedCheckpoint, recipe: str, progress: bool = True):
         except Exception as e:  # unreadable despite its checksum: a torch that cannot read it
             raise LongattnError(f"prepared weights {entry} cannot be read ({e}); "
                                 "run `longattn cache clear` and retry") from None
-        model = from_prepared(ck.config, state, canonical)
+        try:
+            built = json.loads((entry / RECIPE_FILE).read_text())["recipe"]
+        except (OSError, ValueError, KeyError):
+            raise LongattnError(f"prepared weights {entry} lack their recipe; "
+                                "run `longattn cache clear` and retry") from None
+        model = from_prepared(ck.config, state, built)
         _remember_source(ck)
         return model
     bar = _stages(f"preparing {canonical} weights of {ck.name} (once)", progress)
     sd = ck.state_dict
     bar("quantize")
-    model = build_model(ck.config, sd, weights=fmt, keep_int8=keep)
-    del sd
+    fmt, keep, blocks = resolve_recipe(ck, canonical)
+    model = build_model(ck.config, sd, weights=fmt, keep_int8=keep, int4_blocks=blocks)
+    del sd, blocks
     ck.state_dict = None  # the float32 copy is not needed any more
     bar("write")
     with atomic_dir(entry, complete=_complete) as tmp:
         torch.save(model.state_dict(), tmp / MODEL_FILE)
+        (tmp / RECIPE_FILE).write_text(json.dumps({"recipe": model.weights, "source": str(ck.source)}))
         digest = content_digest(_files(tmp), remember=False)
-        (tmp / "recipe.json").write_text(json.dumps({"recipe": canonical, "source": str(ck.source)}))
         (tmp / CHECKSUM).write_text(json.dumps({"sha256": digest}))
     bar(None)
     _remember_source(ck)

@@ -11,9 +11,10 @@ from pathlib import Path
 from ..errors import LongattnError
 
 
-# The fastest weight format whose quality cost is negligible: int8 costs <= 0.004 bits/token
-# on the bundled models (docs/benchmarks.md, weights_quality.py), int4 0.1-0.37.
-DEFAULT_WEIGHTS = "int8"
+# The fastest weights whose quality cost is negligible (models.weights.auto_recipe): a file's
+# own 4-bit groups as int4 (its weights exactly), int8 elsewhere (<= 0.004 bits/token on the
+# bundled models; int4 made from other formats costs 0.1-0.37: docs/benchmarks.md).
+DEFAULT_WEIGHTS = "auto"
 
 
 def default_threads() -> int:
@@ -31,9 +32,10 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str = "smollm2-135
                    help="torch intra-op threads (the CPUs this process may use); several "
                         "streams share one pool, so do not start one process per stream")
     p.add_argument("--weights", default=DEFAULT_WEIGHTS,
-                   help="weight format (default int8: costs <= 0.004 bits/token against the "
-                        "checkpoint's weights and decodes ~6x faster than f32; prepared once and "
-                        "memory-mapped from the cache after): f32 (the reference), bf16, int8 "
+                   help="weight format, prepared once and memory-mapped from the cache after: auto "
+                        "(the default: int4 for the matrices a GGUF stores as Q4_0/Q4_1 groups, read "
+                        "as they are, int8 for the rest: <= 0.004 bits/token against the checkpoint's "
+                        "weights), f32 (the reference), bf16, int8 "
                         "(per output row) or int4 (groups of 32; decode "
                         "quantizes activations to int8 per block of 32); int4+int8:embed keeps the "
                         "matrices whose module name contains 'embed' (the embedding table and tied "

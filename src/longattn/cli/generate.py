@@ -29,10 +29,12 @@ def add_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk size (tokens)")
-    p.add_argument("--compile", nargs="?", const="jit", choices=["jit", "aot"], default=None,
-                   help="decode with the fixed-shape step: jit (the default with no value) compiles it with "
-                        "torch.compile in this run; aot loads it built ahead of time from the cache, building "
-                        "it there on first use (under a minute per model, format, policy and machine)")
+    p.add_argument("--compile", nargs="?", const="jit", choices=["auto", "aot", "jit", "none"], default="auto",
+                   help="the decode step: aot loads a fixed-shape step built ahead of time from the cache "
+                        "(built there on first use: about half a minute per model, format, policy and "
+                        "machine); jit (the value when none is given) compiles it with torch.compile in "
+                        "this run; none decodes eagerly (the reference); auto is aot where it can run "
+                        "(longattn's native kernels, window and dense layers) and none elsewhere")
     add_policy_args(p, auto=True)
     p.add_argument("--sparse-calibrate", action="store_true", default=argparse.SUPPRESS,
                    help="sparse: calibrate the taus in this run's first decode steps (run exactly) "
@@ -87,8 +89,10 @@ def run(args) -> int:
     if args.policy == "auto" and getattr(args, "sparse_calibrate", False):
         raise LongattnError("--policy auto never calibrates (it engages SCSA only with taus kept by an "
                             "earlier run); calibrate with --policy sparse --sparse-calibrate")
+    from ..ops import native
+    if args.compile == "auto":
+        args.compile = "aot" if args.policy not in ("sparse", "auto") and native.available() else "none"
     if args.compile == "aot":  # refused here, before anything is read or built
-        from ..ops import native
         if args.policy in ("sparse", "auto"):
             raise LongattnError("--compile aot runs window and dense layers only; use --compile for --policy "
                                 f"{args.policy}")
@@ -118,7 +122,7 @@ def run(args) -> int:
         policy, auto = taus.resolve_auto(ck.config, len(ids), args.max_new_tokens)
         print(f"-- policy auto: {auto.reason}", file=sys.stderr, flush=True)
     load_s = time.perf_counter() - t_load
-    if args.compile:
+    if args.compile != "none":
         from ..engine.static_step import StaticDecoder
         max_len = len(ids) + max(args.max_new_tokens, 1)
         if args.compile == "aot":
@@ -144,7 +148,6 @@ def run(args) -> int:
     if not args.json:
         streamer.finish()
     taus.finish(session.cache)
-    from ..ops import native
     kernels = "native" if native.available() else "reference"
     n = res.new_tokens
     tps = n / res.decode_seconds if res.decode_seconds > 0 else float("nan")
@@ -152,7 +155,8 @@ def run(args) -> int:
     summary = {"model": ck.name, "prompt_tokens": res.prompt_tokens, "new_tokens": n,
                "prefill_tok_s": round(pps, 2), "decode_tok_s": round(tps, 2),
                "cache_bytes": res.cache_bytes, "threads": args.threads, "weights": model.weights,
-               "kernels": kernels, "compiled": bool(args.compile), "step": args.compile or "eager",
+               "kernels": kernels, "compiled": args.compile != "none",
+               "step": "eager" if args.compile == "none" else args.compile,
                "load_s": round(load_s, 3),
                "prefill_s": round(res.prefill_seconds, 3), "decode_s": round(res.decode_seconds, 3),
                "first_token_after_start_s": round(token_times[0], 2) if token_times else None,

@@ -49,6 +49,9 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(n_out), requires_grad=False) if bias else None
         self.register_buffer("qweight", None)  # int8 [N, K] once to_int8() ran (weight is None)
         self.register_buffer("codes", None)  # uint8 [N, K/2] once to_int4() ran (weight is None)
+        # (codes, d, m): the int4 parts the checkpoint stores for ``weight`` (build_model's
+        # int4_blocks), taken by to_int4 instead of quantizing the float32 copy again
+        self.stored_int4 = None
 
     def to_int4(self, structure_only: bool = False) -> None:
         """4-bit groups where the row length allows it (a multiple of 32), int8 otherwise.
@@ -60,10 +63,12 @@ class Linear(nn.Module):
             half = torch.float16
             parts = (torch.empty(N, K // 2, dtype=torch.uint8), torch.empty(N, K // INT4_GROUP, dtype=half),
                      torch.empty(N, K // INT4_GROUP, dtype=half))
+        elif self.stored_int4 is not None:
+            parts = self.stored_int4
         else:
             parts = quantize_int4(self.weight.data)
         codes, steps, offsets = parts
-        self.weight = None
+        self.weight = self.stored_int4 = None
         self.codes = codes
         self.register_buffer("steps", steps)  # float16 [N, K/32]
         self.register_buffer("offsets", offsets)  # float16 [N, K/32]
@@ -78,7 +83,7 @@ class Linear(nn.Module):
         else:
             q, scales = quantize_int8(self.weight.data)
             scales_bf16 = scales.to(torch.bfloat16)
-        self.weight = None
+        self.weight = self.stored_int4 = None
         self.qweight = q
         self.register_buffer("scales", scales)
         self.register_buffer("scales_bf16", scales_bf16)
@@ -133,6 +138,8 @@ def _fused(parts: list, structure_only: bool) -> "Linear":
         out.weight.data = torch.cat([p.weight.data for p in parts])
         if bias:
             out.bias.data = torch.cat([p.bias.data for p in parts])
+        if all(p.stored_int4 is not None for p in parts):  # int4 groups run along rows: rows concatenate
+            out.stored_int4 = tuple(torch.cat(x) for x in zip(*(p.stored_int4 for p in parts)))
     return out
 
 
@@ -405,7 +412,8 @@ class Transformer(nn.Module):
 
 
 def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype = torch.float32,
-                fuse: bool = True, weights: str | None = None, keep_int8: tuple = ()) -> Transformer:
+                fuse: bool = True, weights: str | None = None, keep_int8: tuple = (),
+                int4_blocks: dict | None = None) -> Transformer:
     """Instantiate and load weights (strict: a missing or extra tensor is an error).
 
     ``dtype`` applies to the big matrices (projections, embeddings); norms stay float32.
@@ -413,7 +421,9 @@ def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype = torch.f
     given; int8 quantizes every matrix per output row, the embedding table included, int4 in
     groups of 32 (int4 decode also rounds activations to int8 per block of 32). ``keep_int8``
     (int4 only): module-name fragments whose matrices stay int8, e.g. ``("qkv",)`` for the
-    attention projections (``"embed"`` for the embedding table and tied head).
+    attention projections (``"embed"`` for the embedding table and tied head). ``int4_blocks``
+    (int4 only): tensor name -> the (codes, d, m) the checkpoint stores for it
+    (checkpoint.gguf_file.read_int4_blocks), used as they are instead of quantizing again.
     ``fuse`` concatenates q/k/v and gate/up projections after loading (fewer, larger
     matmuls: the decode step is dominated by per-call overhead and weight reads).
     """
@@ -442,12 +452,17 @@ def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype = torch.f
             raise LongattnError(f"tensor {k} has shape {tuple(t.shape)}, config expects {tuple(p.shape)}")
         big = t.dim() == 2 or dtype == torch.float64
         p.data = t.to(dtype if big else torch.float32).contiguous()
+    if fmt == "int4" and int4_blocks:
+        for name, mod in m.named_modules():
+            if isinstance(mod, Linear):
+                mod.stored_int4 = int4_blocks.get(f"{name}.weight")
     if fuse:
         for block in m.model.layers:
             block.self_attn.fuse()
             block.mlp.fuse()
     if fmt in ("int8", "int4"):
-        _quantize(m, cfg, fmt, tuple(keep_int8))
+        _quantize(m, cfg, fmt, tuple(keep_int8),
+                  stored_embed=(int4_blocks or {}).get("model.embed_tokens.weight"))
     m.weights = recipe_name(fmt, keep_int8)
     m.eval()
     return m
@@ -461,10 +476,11 @@ def set_rope_tables(m: Transformer, cfg: ModelConfig) -> None:
 
 
 def _quantize(m: Transformer, cfg: ModelConfig, fmt: str, keep_int8: tuple = (),
-              structure_only: bool = False) -> None:
+              structure_only: bool = False, stored_embed: tuple | None = None) -> None:
     """Every Linear and the embedding table to int8 or int4 (in place, after fusing); with
     int4, modules whose name contains a ``keep_int8`` fragment go to int8. ``structure_only``:
-    empty buffers of the quantized shapes, nothing computed (models.prepared)."""
+    empty buffers of the quantized shapes, nothing computed (models.prepared). ``stored_embed``:
+    the checkpoint's own int4 parts of the embedding table (build_model's int4_blocks)."""
     def quantize(mod: Linear, name: str) -> None:
         int8 = fmt == "int8" or any(frag in name for frag in keep_int8)
         mod.to_int8(structure_only) if int8 else mod.to_int4(structure_only)
@@ -474,6 +490,7 @@ def _quantize(m: Transformer, cfg: ModelConfig, fmt: str, keep_int8: tuple = (),
             quantize(mod, name)
     table = Linear(cfg.hidden_size, cfg.vocab_size, False)
     table.weight.data = m.model.embed_tokens.weight.data
+    table.stored_int4 = stored_embed
     quantize(table, "model.embed_tokens")
     m.model.embed_tokens = QuantEmbedding(table)
     if m.lm_head is None:

@@ -58,10 +58,46 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scales.contiguous()
 
 
+# The default: each matrix in the fastest format that holds what the checkpoint stores at a
+# negligible cost (auto_recipe).
+AUTO = "auto"
+
+# Module-name fragments (build_model's keep_int8) and the checkpoint matrices each one is made
+# of (the last part of their module name; q/k/v and gate/up are fused).
+_KINDS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+          "down_proj": ("down_proj",), "embed": ("embed_tokens",), "lm_head": ("lm_head",)}
+
+
+def auto_recipe(matrices, stored_int4) -> str:
+    """The recipe ``auto`` stands for: int4 for each kind of matrix (``_KINDS``) that the
+    checkpoint stores entirely as 4-bit groups int4 holds exactly (``stored_int4``, names as in
+    ``matrices``: checkpoint.gguf_file.read_int4_blocks), int8 for every other one.
+
+    int4 then costs nothing against the checkpoint's weights (its decode rounds activations to
+    int8 per block of 32, as llama.cpp does), and int8 costs <= 0.004 bits/token on the bundled
+    models (benchmarks/weights_quality.py). A checkpoint with a matrix outside ``_KINDS`` (an
+    expert router, say) gets plain int8.
+    """
+    part_of = {part: kind for kind, parts in _KINDS.items() for part in parts}
+    kinds = {n: part_of.get(n.rsplit(".", 2)[-2] if n.endswith(".weight") else "") for n in matrices}
+    if None in kinds.values():
+        return "int8"
+    present = set(kinds.values())
+    int4 = present - {kinds[n] for n in matrices if n not in stored_int4}
+    if not int4:
+        return "int8"
+    return recipe_name("int4", tuple(k for k in _KINDS if k in present - int4))
+
+
 def parse_recipe(spec: str) -> tuple[str, tuple]:
     """``"int4+int8:qkv,gate_up"`` -> ``("int4", ("qkv", "gate_up"))``: a weight format plus the
-    module-name fragments kept in int8 (build_model's ``keep_int8``); a plain name has none."""
+    module-name fragments kept in int8 (build_model's ``keep_int8``); a plain name has none.
+    ``"auto"`` -> ``("auto", ())`` (resolved per checkpoint by auto_recipe)."""
+    if str(spec).lower() == AUTO:
+        return AUTO, ()
     fmt, _, keep = str(spec).partition("+int8:")
+    if fmt.lower() not in _ALIASES:
+        raise LongattnError(f"unknown weight format {fmt!r}; use {AUTO} or one of {', '.join(WEIGHT_FORMATS)}")
     fmt = parse_weights(fmt)
     frags = tuple(f for f in keep.split(",") if f)
     if frags and fmt != "int4":
