@@ -1,5 +1,6 @@
 """Weight formats for the projection matrices: f32, bf16, int8 (per output channel) and int4
-(groups of 32).
+(groups of 32), and ``auto`` (the default), which picks int4 or int8 for each kind of matrix
+from what the checkpoint stores (auto_recipe).
 
 ``int8`` stores every 2-D weight (projections, embedding table, output head) as int8 rows with
 one float32 scale per row (symmetric, scale = max|row| / 127). Decode-sized matmuls (< WIDEN_ROWS
