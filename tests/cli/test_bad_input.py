@@ -104,6 +104,15 @@ def test_compile_aot_refused_in_one_line_where_it_cannot_run(cli, tiny_gguf, mon
     _refused(cli("generate", "--model", tiny_gguf, "--compile", "sometimes"), "invalid choice", [])
 
 
+def test_a_bad_model_name_is_refused_before_the_kernels_build(tmp_path):
+    """The default step choice needs the native kernels; it is made after the load, so a typo
+    on a fresh machine costs no build."""
+    cache = tmp_path / "cache"
+    r = run_cli(["generate", "--model", "nope", "--max-new-tokens", 1], cache, native=True)
+    assert_one_line_error(r, "unknown model")
+    assert not (cache / "kernels").exists()
+
+
 def test_stream_chunk_zero_refused_like_generate(cli, tiny_gguf):
     _refused(cli("stream", "--model", tiny_gguf, "--chunk", 0), "--chunk must be >= 1", [])
 

@@ -90,8 +90,6 @@ def run(args) -> int:
         raise LongattnError("--policy auto never calibrates (it engages SCSA only with taus kept by an "
                             "earlier run); calibrate with --policy sparse --sparse-calibrate")
     from ..ops import native
-    if args.compile == "auto":
-        args.compile = "aot" if args.policy not in ("sparse", "auto") and native.available() else "none"
     if args.compile == "aot":  # refused here, before anything is read or built
         if args.policy in ("sparse", "auto"):
             raise LongattnError("--compile aot runs window and dense layers only; use --compile for --policy "
@@ -115,6 +113,8 @@ def run(args) -> int:
     check_context(ck.config, policy, len(ids) + args.max_new_tokens, args,
                   f"the prompt ({len(ids)} tokens) plus --max-new-tokens {args.max_new_tokens}")
     model = model_for(ck, args)
+    if args.compile == "auto":  # decided after the load, so bad input is refused before the kernels build
+        args.compile = "aot" if args.policy not in ("sparse", "auto") and native.available() else "none"
     taus = SparseTaus(ck, model, policy, getattr(args, "sparse_calibrate", False))
     policy = taus.policy  # with the kept taus on its sparse layers, when there are any
     auto = None
