@@ -153,15 +153,16 @@ class AOTStep:
 
     Args:
         decoder: a StaticDecoder (its buffers decide the shapes; window and dense layers only).
+        key: ``step_key(decoder)`` where the caller has it already.
         progress: print a line on stderr while a package is built.
     """
 
-    def __init__(self, decoder, progress: bool = True):
+    def __init__(self, decoder, key: str | None = None, progress: bool = True):
         if not native.available():
             raise LongattnError("the ahead-of-time step calls longattn's native kernels, which are not "
                                 "built here (or --reference is set); use --compile or the eager path")
         self.decoder = decoder
-        self.key = step_key(decoder)
+        self.key = step_key(decoder) if key is None else key
         entry = cache_root() / "steps" / self.key
         if _complete(entry) and not entry_intact(entry, _files):
             warnings.warn(f"ahead-of-time step {entry} is damaged (checksum mismatch); building it again",

@@ -284,8 +284,9 @@ class StaticDecoder:
             from .aot_step import AOTStep, step_key
             # one package serves every length; another only where the buffers' layout changed
             # (a window that no longer fits max_len makes its ring a full buffer)
-            if self._aot is None or self._aot.key != step_key(self):
-                self._aot = AOTStep(self)
+            key = step_key(self)
+            if self._aot is None or self._aot.key != key:
+                self._aot = AOTStep(self, key)
 
     def _step(self, tokens: torch.Tensor, pos: torch.Tensor):
         """-> (logits ``[B, V]``, per group the stacked ``(k, v)`` of this step, not yet written)."""
