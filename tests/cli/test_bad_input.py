@@ -359,6 +359,28 @@ def test_cli_unusable_cache_falls_back_before_converting(tmp_path, tiny_gguf):
     assert list(tmp.glob("longattn-cache-*/converted/*/model.safetensors"))
 
 
+def test_ctrl_c_that_tears_an_import_still_reads_interrupted(monkeypatch, capsys):
+    """An interrupt inside a C extension's import (numpy under torch) resurfaces as an
+    ImportError once the import is retried; the CLI must still say "interrupted", exit 130."""
+    import os
+
+    import longattn.cli.models as models_cmd
+    from longattn.cli.main import main
+
+    def torn_import(args):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs here
+        except KeyboardInterrupt:
+            pass  # what an import machinery's cleanup does
+        raise ImportError("cannot load module more than once per process")
+
+    monkeypatch.setattr(models_cmd, "run", torn_import)
+    assert main(["models"]) == 130
+    assert capsys.readouterr().err == "longattn: interrupted\n"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
 @pytest.mark.parametrize("delay", [0.2, 0.9])
 def test_cli_ctrl_c_early(tmp_path, delay):
     env = dict(__import__("os").environ, LONGATTN_CACHE=str(tmp_path / "c"), LONGATTN_NATIVE="off")

@@ -8,6 +8,8 @@ import os
 import sys
 import warnings
 
+from . import interrupt
+
 # command name -> module under longattn.cli that defines add_parser(subparsers)
 COMMANDS = ["generate", "models", "demo", "stream", "quality", "receptive", "cache_cmd", "scaling",
             "sinks", "retrieval", "serve", "report"]
@@ -53,6 +55,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     shown = warnings.formatwarning
     warnings.formatwarning = _one_line_warning  # the CLI's warnings are one line each, too
+    handler = interrupt.install()
     try:
         try:  # Ctrl-C while torch and the commands import is one line as well
             parser = build_parser()
@@ -61,13 +64,25 @@ def main(argv=None) -> int:
                 parser.print_help()
                 return 2
             from .common import run_guarded
-        except KeyboardInterrupt:
-            print("longattn: interrupted", file=sys.stderr)
-            return 130
+        except (KeyboardInterrupt, Exception) as e:
+            if isinstance(e, KeyboardInterrupt) or interrupt.received():
+                return _interrupted()
+            raise
         _last_command[:] = [args.command]
-        return run_guarded(args.func, args)
+        try:
+            return run_guarded(args.func, args)
+        except Exception:
+            if interrupt.received():  # e.g. an import the interrupt cut in half
+                return _interrupted()
+            raise
     finally:
         warnings.formatwarning = shown
+        interrupt.restore(handler)
+
+
+def _interrupted() -> int:
+    print("longattn: interrupted", file=sys.stderr)
+    return 130
 
 
 def entry() -> None:
