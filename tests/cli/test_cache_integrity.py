@@ -133,10 +133,10 @@ def test_damaged_converted_entry_is_converted_again(cache, tmp_path):
     first = {k: v.clone() for k, v in load_checkpoint(str(src), progress=False,
                                                      with_tokenizer=False).state_dict.items()}
     (entry,) = (cache / "converted").iterdir()
-    weights = entry / "model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[-100] ^= 0x40
-    weights.write_bytes(bytes(data))
+    config = entry / "config.json"
+    data = bytearray(config.read_bytes())
+    data[-10] ^= 0x01
+    config.write_bytes(bytes(data))
     with pytest.warns(UserWarning, match="is damaged .* converting again"):
         again = load_checkpoint(str(src), progress=False, with_tokenizer=False)
     assert all(torch.equal(first[k], again.state_dict[k]) for k in first)

@@ -51,14 +51,14 @@ def cache(tmp_path, monkeypatch) -> Path:
 
 
 # The child converts a first file before it says "ready" (so every lazy import is done) and
-# writes each entry slowly (a pause after the weights), so that most kill points land while
-# a temporary entry is half-written, the case that used to leave junk behind.
+# writes each entry slowly (a pause before its checksum, the last file), so that most kill
+# points land while a temporary entry is half-written, the case that used to leave junk behind.
 CONVERT = ("import sys, time\n"
-           "import safetensors.torch as st\n"
+           "import longattn.checkpoint.load as load\n"
            "from longattn.checkpoint import load_checkpoint\n"
            "load_checkpoint(sys.argv[1], progress=False)\n"
-           "save = st.save_file\n"
-           "st.save_file = lambda *a, **k: (save(*a, **k), time.sleep(0.4))\n"
+           "digest = load.content_digest\n"
+           "load.content_digest = lambda *a, **k: (time.sleep(0.4), digest(*a, **k))[1]\n"
            "print('ready', flush=True)\n"
            "for f in sys.argv[2:]:\n"
            "    load_checkpoint(f, progress=False)\n")

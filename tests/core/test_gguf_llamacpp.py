@@ -100,3 +100,30 @@ def test_llamacpp_gpt_oss_refused(gguf_files):
     from longattn.checkpoint.gguf_file import load_gguf
     with pytest.raises(LongattnError, match="unsupported architecture 'gpt-oss'"):
         load_gguf(gguf_files["gpt_oss"])
+
+
+def _saved(tok, d) -> dict:
+    tok.save_pretrained(str(d))
+    return {p.name: p.read_bytes() for p in sorted(Path(d).iterdir())}
+
+
+@pytest.mark.parametrize("name", list(MATCH))
+def test_named_tokenizer_class_is_the_one_autotokenizer_picks(gguf_files, name, tmp_path):
+    """load_tokenizer names the class for the file's architecture (GGUF_TOKENIZER_CLASS)
+    instead of letting AutoTokenizer parse the whole file: the same class, the same files."""
+    from transformers import AutoTokenizer
+
+    from longattn.checkpoint.gguf_file import _open, read_gguf_config
+    from longattn.checkpoint.tokenizer import load_tokenizer
+    path = gguf_files[name]
+    arch = read_gguf_config(_open(path), path).family
+    try:
+        auto = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:  # a vocabulary transformers cannot rebuild: refused by both ways
+        with pytest.raises(LongattnError, match="cannot read the tokenizer"):
+            load_tokenizer(path.parent, gguf_file=path.name, gguf_arch=arch)
+        assert type(e) is KeyError, e
+        return
+    ours = load_tokenizer(path.parent, gguf_file=path.name, gguf_arch=arch)
+    assert type(ours) is type(auto)
+    assert _saved(ours, tmp_path / "ours") == _saved(auto, tmp_path / "auto")

@@ -37,6 +37,24 @@ def test_bundled_tokenizers_equal_transformers(name):
     assert tok.convert_ids_to_tokens(5) == hf.convert_ids_to_tokens(5)
 
 
+@pytest.mark.real
+@pytest.mark.parametrize("name", MODELS)
+def test_bundled_gguf_tokenizer_class_is_the_one_autotokenizer_picks(name, tmp_path):
+    """The converted tokenizer is built by the class GGUF_TOKENIZER_CLASS names for the file's
+    architecture; AutoTokenizer (which parses the whole file to choose) saves the same files."""
+    from transformers import AutoTokenizer
+    ck = real_checkpoint(name)
+    ours = load_tokenizer(ck.source.parent, gguf_file=ck.source.name, gguf_arch=ck.config.family)
+    auto = AutoTokenizer.from_pretrained(str(ck.source.parent), gguf_file=ck.source.name)
+    assert type(ours) is type(auto)
+    for t, d in ((ours, tmp_path / "ours"), (auto, tmp_path / "auto")):
+        t.save_pretrained(str(d))
+    files = sorted(p.name for p in (tmp_path / "auto").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "ours").iterdir())
+    for f in files:
+        assert (tmp_path / "ours" / f).read_bytes() == (tmp_path / "auto" / f).read_bytes(), f
+
+
 def _tokenizer_dir(tmp_path, config: dict):
     d = tmp_path / "tok"
     d.mkdir()

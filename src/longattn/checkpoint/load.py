@@ -1,15 +1,17 @@
 """One entry point: a name or path -> LoadedCheckpoint (config, float32 weights, tokenizer).
 
-GGUF files are converted once (dequantized, renamed, tokenizer built from the file's own
-metadata) into ``$LONGATTN_CACHE/converted/<key>/``; the key hashes the source file's
-content plus the converter version, so a changed source file is re-converted and the
-same file at another path is not. Nothing is written until the file has passed the
-structural and value checks (integrity.py) and a model has been built from the converted
-weights once; the entry is then written into a temporary directory and renamed into place,
-so an interrupted or failed conversion leaves nothing behind, and a second process
-converting the same file keeps the entry the first put there (see paths.atomic_dir).
-The entry records the SHA-256 of its files; one that no longer matches (damaged on disk)
-is converted again, with a warning, rather than used.
+A GGUF file is converted once (config read, tokenizer built from the file's own metadata)
+into ``$LONGATTN_CACHE/converted/<key>/``; the key hashes the source file's content plus the
+converter version, so a changed source file is re-converted and the same file at another path
+is not. The entry holds no weights: its float32 weights are dequantized from the file itself
+whenever a run needs them (a prepared-weights miss, ``--weights f32``), so no float32 copy is
+ever written; runs in the default formats map their prepared weights (prepared.py) instead.
+Nothing is written until the file has passed the structural and value checks (integrity.py)
+and a model has been built from its weights once; the entry is then written into a temporary
+directory and renamed into place, so an interrupted or failed conversion leaves nothing
+behind, and a second process converting the same file keeps the entry the first put there
+(see paths.atomic_dir). The entry records the SHA-256 of its files; one that no longer matches
+(damaged on disk) is converted again, with a warning, rather than used.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from .digest import content_digest, remember_digest
 from .paths import atomic_dir, cache_root, remove_path, temp_prefix
 from .tokenizer import checkpoint_tokenizer, load_tokenizer
 
-CONVERTER_VERSION = "3"  # bump when the converted layout or config reading changes
+CONVERTER_VERSION = "4"  # bump when the converted layout or config reading changes
 CHECKSUM = "checksum.json"  # SHA-256 of the entry's files, written last
 
 
@@ -36,8 +38,8 @@ class LoadedCheckpoint:
     """A checkpoint's name, source path, config and tokenizer (transformers
     PreTrainedTokenizerFast, or None for weight-only dirs).
 
-    ``state_dict`` (name -> float32 tensor) is read on first use: a run whose prepared
-    weights are cached (models.prepared) never reads the float32 weights. ``weights_key``
+    ``state_dict`` (name -> float32 tensor) is read on first use (a GGUF's dequantized then):
+    a run whose prepared weights are cached (models.prepared) never reads them. ``weights_key``
     names those float32 weights by content (the source's digest and the converter version).
     """
 
@@ -64,7 +66,7 @@ class LoadedCheckpoint:
 def _complete(entry: Path) -> bool:
     """A converted entry holds every file load_checkpoint reads (an older or damaged entry
     lacking one is replaced)."""
-    return all((entry / f).exists() for f in ("model.safetensors", "config.json", "tokenizer"))
+    return all((entry / f).exists() for f in ("config.json", "tokenizer", CHECKSUM))
 
 
 def cache_key(digest: str) -> str:
@@ -73,34 +75,40 @@ def cache_key(digest: str) -> str:
     return hashlib.sha256(f"{digest}|{CONVERTER_VERSION}".encode()).hexdigest()[:16]
 
 
-def _convert_gguf(src: Path, target: Path, progress: bool) -> None:
-    from safetensors.torch import save_file
+def _convert_gguf(src: Path, target: Path, progress: bool) -> dict:
+    """Convert ``src`` into the entry ``target``; returns its float32 weights (checked, and kept
+    by the run that converts so it need not dequantize them again)."""
+    from ..models import build_model
+    cfg, sd = _dequantize(src, "converting", progress)
+    build_model(cfg, sd, fuse=False)  # proves the weights make the model before anything is kept
+    tok = load_tokenizer(src.parent, gguf_file=src.name, what=src, gguf_arch=cfg.family)
+    if cfg.family == "gemma3" and not getattr(tok, "chat_template", None):
+        from .family_gaps import GEMMA3_CHAT_TEMPLATE
+        tok.chat_template = GEMMA3_CHAT_TEMPLATE
+    with atomic_dir(target, complete=_complete) as tmp:
+        (tmp / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+        tok.save_pretrained(str(tmp / "tokenizer"))
+        (tmp / "source.json").write_text(json.dumps({"source": str(src)}))
+        (tmp / CHECKSUM).write_text(json.dumps({"sha256": content_digest(_entry_files(tmp), remember=False)}))
+    return sd
+
+
+def _dequantize(src: Path, verb: str, progress: bool) -> tuple:
+    """``(config, float32 state dict)`` of the GGUF ``src``, with a progress bar on stderr."""
     from .gguf_file import load_gguf
     bar = None
     if progress:
         from tqdm import tqdm
 
         def bar(items, total=None):
-            return tqdm(items, total=total, desc=f"converting {src.name}", unit="tensor", leave=True)
-    from ..models import build_model
-    cfg, sd = load_gguf(src, progress=bar)
-    build_model(cfg, sd, fuse=False)  # proves the weights make the model before anything is kept
-    tok = load_tokenizer(src.parent, gguf_file=src.name, what=src)
-    if cfg.family == "gemma3" and not getattr(tok, "chat_template", None):
-        from .family_gaps import GEMMA3_CHAT_TEMPLATE
-        tok.chat_template = GEMMA3_CHAT_TEMPLATE
-    with atomic_dir(target, complete=_complete) as tmp:
-        save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp / "model.safetensors"))
-        (tmp / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-        tok.save_pretrained(str(tmp / "tokenizer"))
-        (tmp / "source.json").write_text(json.dumps({"source": str(src)}))
-        (tmp / CHECKSUM).write_text(json.dumps({"sha256": content_digest(_entry_files(tmp), remember=False)}))
+            return tqdm(items, total=total, desc=f"{verb} {src.name}", unit="tensor", leave=True)
+    return load_gguf(src, progress=bar)
 
 
 def _entry_files(entry: Path) -> list:
-    """The files of a converted entry its checksum covers: weights, config, tokenizer."""
+    """The files of a converted entry its checksum covers: config and tokenizer."""
     tok = sorted(p for p in (entry / "tokenizer").rglob("*") if p.is_file())
-    return [entry / "model.safetensors", entry / "config.json", *tok]
+    return [entry / "config.json", *tok]
 
 
 def entry_intact(entry: Path, files_of: Callable[[Path], list] = _entry_files) -> bool:
@@ -164,8 +172,9 @@ def _open_checkpoint(name_or_path: str, progress: bool, with_tokenizer: bool) ->
         warnings.warn(f"converted cache entry {target} is damaged (its checksum does not match); "
                       "converting again", stacklevel=2)
         discard_entry(target)
+    converted = None
     if not _complete(target):
-        _convert_gguf(src, target, progress)
+        converted = _convert_gguf(src, target, progress)
     remember_digest([src], digest)  # only now: the file proved a good GGUF
     try:
         cfg = ModelConfig.from_dict(json.loads((target / "config.json").read_text()))
@@ -175,16 +184,8 @@ def _open_checkpoint(name_or_path: str, progress: bool, with_tokenizer: bool) ->
     if with_tokenizer:
         tok = checkpoint_tokenizer(target / "tokenizer", what=f"the converted cache entry {target} "
                              "(delete it and retry)")
-    return LoadedCheckpoint(name, src, cfg, None, tok, lambda: _read_converted(target), target.name)
-
-
-def _read_converted(target: Path) -> dict:
-    """The float32 weights of a converted entry."""
-    from safetensors.torch import load_file
-    try:
-        return load_file(str(target / "model.safetensors"))
-    except Exception as e:
-        raise LongattnError(f"converted cache entry {target} is damaged ({e}); delete it and retry") from None
+    return LoadedCheckpoint(name, src, cfg, converted, tok, lambda: _dequantize(src, "dequantizing", progress)[1],
+                            target.name)
 
 
 def _looks_like_gguf(p: Path) -> bool:

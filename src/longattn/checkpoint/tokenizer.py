@@ -38,16 +38,31 @@ def _damaged(what, e: Exception) -> LongattnError:
     return LongattnError(f"cannot read the tokenizer of {what}: {first}; the tokenizer files are damaged")
 
 
-def load_tokenizer(path: Path, gguf_file: str | None = None, what: str | None = None):
-    """transformers' tokenizer of an HF directory (or of ``gguf_file`` in it).
+# The tokenizer class AutoTokenizer picks for a GGUF of each architecture longattn runs
+# (tests/core/test_gguf_llamacpp.py and test_tokenizer.py check it saves the same files).
+# Naming it skips the full metadata parse AutoTokenizer makes only to learn the model type:
+# 6-10 s of a first run on a 150K-262K-token vocabulary.
+GGUF_TOKENIZER_CLASS = {"llama": "TokenizersBackend", "qwen2": "Qwen2Tokenizer",
+                        "qwen3": "Qwen2Tokenizer", "phi3": "TokenizersBackend",
+                        "gemma2": "GemmaTokenizer", "gemma3": "GemmaTokenizer"}
+
+
+def load_tokenizer(path: Path, gguf_file: str | None = None, what: str | None = None,
+                   gguf_arch: str | None = None):
+    """transformers' tokenizer of an HF directory (or of ``gguf_file`` in it, whose
+    ``general.architecture`` is ``gguf_arch`` where the caller has read it).
 
     Raises:
         LongattnError: the tokenizer files are damaged (one line naming ``what``, default
             the directory or file).
     """
     quiet_transformers()
-    from transformers import AutoTokenizer
     try:
+        if gguf_file is not None and gguf_arch in GGUF_TOKENIZER_CLASS:
+            import transformers
+            cls = getattr(transformers, GGUF_TOKENIZER_CLASS[gguf_arch])
+            return cls.from_pretrained(str(path), gguf_file=gguf_file)
+        from transformers import AutoTokenizer
         if gguf_file is not None:
             return AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file)
         return AutoTokenizer.from_pretrained(str(path))
