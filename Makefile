@@ -8,7 +8,7 @@ THREADS ?= 2
 # tests convert tiny checkpoints with it; without the download those tests skip and say why.
 SDIST   := .cache/sdist/llama_cpp_python-0.3.36.tar.gz
 
-.PHONY: demo test test-fast setup clean
+.PHONY: demo test test-fast setup kernels clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -21,19 +21,24 @@ $(STAMP): $(VPY) requirements.txt requirements-models.txt pyproject.toml
 	$(VPY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
-setup: $(STAMP)
+# longattn's CPU kernels, built once per install into the environment (about half a minute; a
+# no-op when built). Where they cannot be built, longattn runs PyTorch's ops and says so.
+kernels: $(STAMP)
+	-$(VPY) -m longattn.ops.native
 
-demo: $(STAMP)
+setup: $(STAMP) kernels
+
+demo: $(STAMP) kernels
 	$(VENV)/bin/longattn demo --threads $(THREADS)
 
 $(SDIST):
 	@mkdir -p $(dir $(SDIST))
 	-$(VPY) -m pip download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d $(dir $(SDIST))
 
-test: $(STAMP) $(SDIST)
+test: $(STAMP) $(SDIST) kernels
 	LONGATTN_LLAMACPP_SDIST=$(abspath $(SDIST)) $(VPY) -m pytest -q tests
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) kernels
 	$(VPY) -m pytest -q -m "not real" tests
 
 clean:

@@ -1,10 +1,14 @@
 """longattn's own CPU kernels (``csrc/*.cpp``): built once with the machine's compiler, loaded,
 or reported missing so callers fall back to PyTorch ops.
 
-All sources build into one extension (torch.utils.cpp_extension + ninja, about half a minute
-the first time; see build.py for how a killed or stuck build is survived) under
-``$LONGATTN_CACHE/kernels/native-torch<version>-<hash of csrc/>``, loaded directly after;
-editing a source or header makes a new build directory, so a stale build never loads.
+All sources build into one extension (torch.utils.cpp_extension + ninja, about half a minute;
+see build.py for how a killed or stuck build is survived) in a directory named
+``native-torch<version>-<hash of csrc/>``, so editing a source or header makes a new build and
+a stale one never loads. ``make setup`` builds it at install time (``python -m
+longattn.ops.native``) into the environment, ``<sys.prefix>/share/longattn/kernels/``, where
+every cache of that environment finds it; an install without it builds it on first use under
+``$LONGATTN_CACHE/kernels/``. The flags target AVX2, not the build machine, so an environment
+copied to another AVX2 machine loads the same library.
 Where it cannot be used (no AVX2, no compiler, or ``LONGATTN_NATIVE=off``) ``available()`` is
 False and every caller has a PyTorch path (see linear.py, attention.py).
 
@@ -21,12 +25,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import warnings
 from pathlib import Path
 
 import torch
 
-from .build import BuildError, ExtensionSpec, ensure_built
+from .build import BuildError, ExtensionSpec, ensure_built, library_path
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = sorted(CSRC.glob("*.cpp"))
@@ -53,7 +58,7 @@ def kernel_spec() -> ExtensionSpec:
     """The one extension all of csrc/ builds into."""
     return ExtensionSpec("longattn_native", tuple(str(p) for p in SOURCES),
                          cflags=("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"), ldflags=("-fopenmp",),
-                         announce="building native kernels (first run, ~30 s)")
+                         announce="building native kernels (once per install, ~30 s)")
 
 
 def _digest() -> str:
@@ -71,13 +76,34 @@ def build_tag() -> str:
     return f"native-{_digest()}" if available() else "native-off"
 
 
+def _build_name() -> str:
+    return f"native-torch{torch.__version__}-{_digest()}"
+
+
+def installed_dir() -> Path:
+    """Where the install step builds the kernels: inside the Python environment."""
+    return Path(sys.prefix) / "share" / "longattn" / "kernels" / _build_name()
+
+
+def library() -> Path:
+    """The kernels' library: the one built at install time where it exists, else the cache's
+    (built there now if missing).
+
+    Raises:
+        BuildError: the build failed or did not finish in time.
+    """
+    installed = library_path(kernel_spec(), installed_dir())
+    if installed.exists():
+        return installed
+    from ..checkpoint.paths import cache_root
+    return ensure_built(kernel_spec(), cache_root() / "kernels" / _build_name())
+
+
 def _build() -> bool:
     if _disabled() or torch.backends.cpu.get_cpu_capability() not in AVX2_CAPABILITIES:
         return False
-    from ..checkpoint.paths import cache_root
-    build = cache_root() / "kernels" / f"native-torch{torch.__version__}-{_digest()}"
     try:
-        torch.ops.load_library(str(ensure_built(kernel_spec(), build)))
+        torch.ops.load_library(str(library()))
     except (BuildError, OSError) as e:  # no compiler, no ninja, out of time: PyTorch paths still work
         warnings.warn(f"the native CPU kernels are not available ({str(e).splitlines()[0]}); "
                       "using PyTorch ops", stacklevel=2)
@@ -138,3 +164,25 @@ def has_avx512() -> bool:
 def dense_attention_avx512(isa: str | None = None) -> bool:
     """True when the dense fused decode attention takes its AVX-512 loops under ``isa``."""
     return available() and bool(torch.ops.longattn_cpu.avx512_dense_attention(isa_code(isa)))
+
+
+def main() -> int:
+    """``python -m longattn.ops.native``: build the kernels into the environment (installed_dir),
+    the install step of ``make setup``. Exit 1, with one line, where they cannot be built (the
+    PyTorch ops are used then)."""
+    if torch.backends.cpu.get_cpu_capability() not in AVX2_CAPABILITIES:
+        print("longattn: this CPU has no AVX2; the native kernels are not built (PyTorch ops are used)",
+              file=sys.stderr)
+        return 1
+    try:
+        so = ensure_built(kernel_spec(), installed_dir())
+    except (BuildError, OSError) as e:
+        print(f"longattn: the native kernels were not built ({str(e).splitlines()[0]}); "
+              "PyTorch ops are used", file=sys.stderr)
+        return 1
+    print(f"longattn: native kernels in {so.parent}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
