@@ -376,16 +376,28 @@ def test_ctrl_c_that_tears_an_import_still_reads_interrupted(monkeypatch, capsys
         raise ImportError("cannot load module more than once per process")
 
     monkeypatch.setattr(models_cmd, "run", torn_import)
-    assert main(["models"]) == 130
+    # as in a terminal: SIGINT raises (a runner started in the background may have it ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert main(["models"]) == 130
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert capsys.readouterr().err == "longattn: interrupted\n"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
+def _sigint_as_in_a_terminal() -> None:
+    """In the child: SIGINT at its default, as a terminal starts a command (a test runner started
+    in the background inherits it ignored, and the CLI leaves an ignored SIGINT ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.mark.parametrize("delay", [0.2, 0.9])
 def test_cli_ctrl_c_early(tmp_path, delay):
     env = dict(__import__("os").environ, LONGATTN_CACHE=str(tmp_path / "c"), LONGATTN_NATIVE="off")
     p = subprocess.Popen([sys.executable, "-m", "longattn.cli.main", "generate", "--max-new-tokens", "1"],
-                         stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+                         stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                         preexec_fn=_sigint_as_in_a_terminal)
     time.sleep(delay)
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)
