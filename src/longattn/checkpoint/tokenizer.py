@@ -33,6 +33,17 @@ def quiet_transformers() -> None:
     warnings.filterwarnings("ignore", module="transformers")
 
 
+def release_freed_heap() -> None:
+    """Hand the heap pages freed so far back to the system (glibc's ``malloc_trim``; a no-op
+    on other C libraries). Parsing a large ``tokenizer.json`` frees most of what it allocated,
+    but glibc keeps it: Gemma 3's 33 MB file leaves 290 MiB resident, 97 MiB once trimmed."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _damaged(what, e: Exception) -> LongattnError:
     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
     return LongattnError(f"cannot read the tokenizer of {what}: {first}; the tokenizer files are damaged")
@@ -128,6 +139,7 @@ def checkpoint_tokenizer(path: Path, what: str | None = None):
             raise ValueError("tokenizer_config.json is not a JSON object")
         from tokenizers import Tokenizer
         fast = Tokenizer.from_file(str(path / "tokenizer.json"))
+        release_freed_heap()
     except (KeyboardInterrupt, MemoryError):
         raise
     except Exception as e:  # a damaged file: the JSON or the tokenizer's own parser says why
