@@ -10,6 +10,7 @@ What the GGUF converter changed and we undo here:
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -39,6 +40,7 @@ _NORMS_GEMMA3 = {"post_attention_norm": "post_attention_layernorm",
                  "post_ffw_norm": "post_feedforward_layernorm"}
 
 
+@functools.cache
 def _reader_class():
     """gguf.GGUFReader reading its header from a plain view of the file's map.
 

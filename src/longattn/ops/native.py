@@ -99,8 +99,12 @@ def library() -> Path:
     return ensure_built(kernel_spec(), cache_root() / "kernels" / _build_name())
 
 
+def _cpu_runs_avx2() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in AVX2_CAPABILITIES
+
+
 def _build() -> bool:
-    if _disabled() or torch.backends.cpu.get_cpu_capability() not in AVX2_CAPABILITIES:
+    if _disabled() or not _cpu_runs_avx2():
         return False
     try:
         torch.ops.load_library(str(library()))
@@ -170,7 +174,7 @@ def main() -> int:
     """``python -m longattn.ops.native``: build the kernels into the environment (installed_dir),
     the install step of ``make setup``. Exit 1, with one line, where they cannot be built (the
     PyTorch ops are used then)."""
-    if torch.backends.cpu.get_cpu_capability() not in AVX2_CAPABILITIES:
+    if not _cpu_runs_avx2():
         print("longattn: this CPU has no AVX2; the native kernels are not built (PyTorch ops are used)",
               file=sys.stderr)
         return 1
