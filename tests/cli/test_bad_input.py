@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 from cli_helpers import assert_one_line_error, cache_listing, error_lines, run_cli
 from conftest import tiny_dir
@@ -286,6 +287,7 @@ def test_tokenizer_of_another_model(cli, tiny_hf, tmp_path):
 @pytest.mark.parametrize("damage,needle", [
     (lambda t: t.fill_(float("nan")), "holds 64 non-finite values"),
     (lambda t: t.fill_(1e6), "magnitude 1e+06"),
+    (lambda t: t.index_fill_(0, torch.tensor([3]), float("-inf")), "holds 1 non-finite values"),
     (lambda t: t[:-1].clone(), "has shape (63,), config expects (64,)"),
 ])
 def test_damaged_hf_weights(cli, tiny_hf, tmp_path, damage, needle):

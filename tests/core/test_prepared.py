@@ -160,3 +160,51 @@ def test_f32_is_built_from_the_checkpoint(cache):
     d = tiny_dir("llama")
     m = prepared_model(load_checkpoint(d, with_tokenizer=False, read_weights=False), "f32", progress=False)
     assert m.weights == "f32" and _entries(cache) == []
+
+
+@pytest.mark.real
+def test_preparing_a_gguf_holds_one_block_of_float32_at_a_time(cache):
+    """SmolLM2's 30 blocks read from its GGUF tensor by tensor: when a matrix is read, the
+    float32 matrices read before it whose memory is still held are at most one block's (a
+    block is quantized before the next is read); the model is the one the whole float32 dict
+    makes."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from longattn.checkpoint.gguf_file import GGUFWeights
+    ck = load_checkpoint("smollm2-135m", progress=False, read_weights=False)
+    weights = ck.weights()
+    assert isinstance(weights, GGUFWeights)
+    per_block = sum(1 for k in weights if k.startswith("model.layers.0.") and len(weights.shape(k)) == 2)
+    held, most = [], 0
+    read = GGUFWeights.__getitem__
+
+    def tracked(self, key):
+        nonlocal most
+        most = max(most, sum(not r.expired() for r in held))
+        t = read(self, key)
+        if t.dim() == 2:
+            held.append(StorageWeakRef(t.untyped_storage()))
+        return t
+    GGUFWeights.__getitem__ = tracked
+    try:
+        m = prepared_model(ck, "int8", progress=False)
+    finally:
+        GGUFWeights.__getitem__ = read
+    assert len(held) == per_block * ck.config.num_layers + 1 and most <= per_block, (most, per_block)
+    full = load_checkpoint("smollm2-135m", progress=False)
+    assert torch.equal(m(IDS), build_model(full.config, full.state_dict, weights="int8")(IDS))
+
+
+def test_a_gguf_conversion_is_kept_once_its_weights_are_read(cache, tmp_path):
+    """Opening a GGUF reads its header and tokenizer only and writes nothing; the converted
+    entry is written by the run that reads every weight (values checked), here a prepare."""
+    from longattn.checkpoint.load import _complete
+    from tiny_gguf import write_tiny_gguf
+    f = write_tiny_gguf(tmp_path / "m.gguf")
+    ck = load_checkpoint(str(f), progress=False, read_weights=False)
+    assert ck.tokenizer is not None and not (cache / "converted").exists()
+    prepared_model(ck, "int8", progress=False)
+    (entry,) = (cache / "converted").iterdir()
+    assert _complete(entry)
+    again = load_checkpoint(str(f), progress=False, read_weights=False)
+    assert again.pending_entry is None and again.config == ck.config

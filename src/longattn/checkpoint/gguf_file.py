@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -221,24 +222,23 @@ def dequantize(data: np.ndarray, qtype) -> np.ndarray:
     return out.reshape(*data.shape[:-1], width)
 
 
-def iter_gguf_tensors(reader):
-    """Yield (gguf_name, float32 tensor in PyTorch [out, in] orientation)."""
+def _float32(t) -> torch.Tensor:
+    """GGUF tensor ``t`` (a gguf ReaderTensor) as a new float32 tensor in PyTorch
+    ``[out, in]`` orientation."""
     from gguf import GGMLQuantizationType
-    for t in reader.tensors:
-        shape = [int(x) for x in reversed(list(t.shape))]
-        try:
-            if t.tensor_type == GGMLQuantizationType.F32:  # a view of the map: copied
-                arr = np.array(t.data, dtype=np.float32, copy=True)
-            elif t.tensor_type in (GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
-                from gguf import quants
-                arr = quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-            else:  # a new array already
-                arr = dequantize(t.data, t.tensor_type)
-            w = torch.from_numpy(arr.reshape(shape))
-        except (NotImplementedError, ValueError, TypeError) as e:  # a type gguf cannot read, a bad size
-            raise LongattnError(f"tensor '{t.name}' ({getattr(t.tensor_type, 'name', t.tensor_type)}) "
-                                f"cannot be dequantized: {type(e).__name__}: {e}") from None
-        yield t.name, w
+    shape = [int(x) for x in reversed(list(t.shape))]
+    try:
+        if t.tensor_type == GGMLQuantizationType.F32:  # a view of the map: copied
+            arr = np.array(t.data, dtype=np.float32, copy=True)
+        elif t.tensor_type in (GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
+            from gguf import quants
+            arr = quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        else:  # a new array already
+            arr = dequantize(t.data, t.tensor_type)
+        return torch.from_numpy(arr.reshape(shape))
+    except (NotImplementedError, ValueError, TypeError) as e:  # a type gguf cannot read, a bad size
+        raise LongattnError(f"tensor '{t.name}' ({getattr(t.tensor_type, 'name', t.tensor_type)}) "
+                            f"cannot be dequantized: {type(e).__name__}: {e}") from None
 
 
 def _hf_name(name: str, cfg: ModelConfig, path: Path) -> tuple:
@@ -270,16 +270,75 @@ def _hf_name(name: str, cfg: ModelConfig, path: Path) -> tuple:
     raise LongattnError(f"{path.name}: unexpected tensor '{name}'")
 
 
-def load_gguf(path: str | os.PathLike, progress=None) -> tuple[ModelConfig, dict]:
-    """Parse and dequantize a GGUF file.
+class GGUFWeights(Mapping):
+    """A GGUF file's weights as a read-only mapping HF name -> float32 tensor, each
+    dequantized, checked (integrity.check_values) and put in the HF layout when it is looked
+    up, and not kept: a model built tensor by tensor from it holds one float32 tensor at a time
+    instead of the whole model's (Qwen2.5-0.5B: 2 GB). ``shape(name)`` reads the header only.
 
-    Returns:
-        (config, state_dict) where state_dict maps HF-style names to float32 tensors.
+    Args:
+        path: the file. reader, cfg: its reader and config when the caller has them (the
+            structure is checked here otherwise).
     """
-    path = Path(path)
-    reader = _open(path)
+
+    def __init__(self, path: str | os.PathLike, reader=None, cfg: ModelConfig | None = None):
+        self.path = Path(path)
+        if reader is None:
+            reader = _open(self.path)
+            cfg = _config(reader, self.path)
+            check_gguf_structure(reader, cfg, self.path)
+        self.cfg = cfg
+        self._parts: dict = {}  # HF name -> (gguf tensor, heads to unpermute, rows or None)
+        q, kv, ff = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+        for t in reader.tensors:
+            key, heads = _hf_name(t.name, cfg, self.path)
+            if key is None:  # read into the config: its values are checked all the same
+                check_values(t.name, _float32(t), self.path)
+            elif cfg.family == "phi3" and key.endswith(("qkv_proj.weight", "gate_up_proj.weight")):
+                # the fused rows, split as hf_dir.split_fused splits an HF checkpoint's
+                fused = key.endswith("qkv_proj.weight")
+                pre = key[: -len("qkv_proj.weight" if fused else "gate_up_proj.weight")]
+                parts, sizes = (("q_proj", "k_proj", "v_proj"), (q, kv, kv)) if fused else \
+                    (("gate_proj", "up_proj"), (ff, ff))
+                start = 0
+                for part, n in zip(parts, sizes):
+                    self._parts[f"{pre}{part}.weight"] = (t, 0, slice(start, start + n))
+                    start += n
+            else:
+                self._parts[key] = (t, heads, None)
+        self._last = (None, None)  # the last fused tensor read (its parts are read in a row)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        t, heads, rows = self._parts[key]
+        if rows is not None and self._last[0] is t:
+            w = self._last[1]
+        else:
+            w = _float32(t)
+            check_values(t.name, w, self.path)
+            self._last = (t, w) if rows is not None else (None, None)
+        if heads:
+            w = _unpermute_qk(w, heads)
+        if self.cfg.norm_plus_one and key.endswith("norm.weight"):
+            w = w - 1.0
+        return w if rows is None else w[rows].contiguous()
+
+    def shape(self, key: str) -> tuple:
+        """``key``'s shape in PyTorch ``[out, in]`` order, from the header."""
+        t, _, rows = self._parts[key]
+        shape = tuple(int(x) for x in reversed(list(t.shape)))
+        return shape if rows is None else (rows.stop - rows.start, *shape[1:])
+
+    def __iter__(self):
+        return iter(self._parts)
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+
+def _config(reader, path: Path) -> ModelConfig:
+    """read_gguf_config, with one line for a header too damaged to read."""
     try:
-        cfg = read_gguf_config(reader, path)
+        return read_gguf_config(reader, path)
     except LongattnError:
         raise
     except MemoryError:
@@ -287,23 +346,27 @@ def load_gguf(path: str | os.PathLike, progress=None) -> tuple[ModelConfig, dict
                             "header); re-download or re-convert it") from None
     except Exception as e:
         raise LongattnError(f"{path.name}: incomplete GGUF metadata ({type(e).__name__}: {e})") from None
+
+
+def open_gguf(path: str | os.PathLike) -> tuple[ModelConfig, GGUFWeights]:
+    """Parse a GGUF file's header and check its structure: ``(config, weights)``, the weights
+    read on lookup (GGUFWeights)."""
+    path = Path(path)
+    reader = _open(path)
+    cfg = _config(reader, path)
     check_gguf_structure(reader, cfg, path)
-    sd: dict = {}
-    tensors = iter_gguf_tensors(reader)
-    for name, w in (progress(tensors, total=len(reader.tensors)) if progress else tensors):
-        check_values(name, w, path)
-        key, heads = _hf_name(name, cfg, path)
-        if key is None:
-            continue
-        if heads:
-            w = _unpermute_qk(w, heads)
-        if cfg.norm_plus_one and key.endswith("norm.weight"):
-            w = w - 1.0
-        sd[key] = w
-    if cfg.family == "phi3":
-        from .hf_dir import split_fused
-        sd = split_fused(cfg, sd)
-    return cfg, sd
+    return cfg, GGUFWeights(path, reader, cfg)
+
+
+def load_gguf(path: str | os.PathLike, progress=None) -> tuple[ModelConfig, dict]:
+    """Parse and dequantize a GGUF file.
+
+    Returns:
+        (config, state_dict) where state_dict maps HF-style names to float32 tensors.
+    """
+    cfg, weights = open_gguf(path)
+    names = list(weights)
+    return cfg, {k: weights[k] for k in (progress(names, total=len(names)) if progress else names)}
 
 
 # GGUF block formats whose values int4 (models.weights: groups of 32, ``d * u + m``, float16 d

@@ -77,11 +77,12 @@ def check_values(name: str, w: torch.Tensor, path: Path) -> None:
     beyond MAX_ABS_WEIGHT in magnitude (any shape, any float dtype)."""
     if w.numel() == 0:
         return
-    finite = torch.isfinite(w)
-    if not bool(finite.all()):
-        n = int((~finite).sum())
-        raise _bad(path, f"tensor '{name}' holds {n} non-finite values (NaN or infinity)")
-    peak = float(w.abs().max())
+    lo, hi = torch.aminmax(w)  # NaN propagates; no temporary of the tensor's size
+    if not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))):
+        n = int((~torch.isfinite(w)).sum())
+        if n:
+            raise _bad(path, f"tensor '{name}' holds {n} non-finite values (NaN or infinity)")
+    peak = max(abs(float(lo)), abs(float(hi)))
     if peak > MAX_ABS_WEIGHT:
         raise _bad(path, f"tensor '{name}' holds a value of magnitude {peak:.3g}, beyond any "
                          f"trained weight (limit {MAX_ABS_WEIGHT:g})")

@@ -6,10 +6,11 @@ converter version, so a changed source file is re-converted and the same file at
 is not. The entry holds no weights: its float32 weights are dequantized from the file itself
 whenever a run needs them (a prepared-weights miss, ``--weights f32``), so no float32 copy is
 ever written; runs in the default formats map their prepared weights (prepared.py) instead.
-Nothing is written until the file has passed the structural and value checks (integrity.py)
-and a model has been built from its weights once; the entry is then written into a temporary
-directory and renamed into place, so an interrupted or failed conversion leaves nothing
-behind, and a second process converting the same file keeps the entry the first put there
+Nothing is written until the file has passed the structural checks (integrity.py; every
+tensor the model needs, nothing else) and the run has read every weight value and checked it
+(a prepared-weights build, or the float32 state dict; LoadedCheckpoint.commit_conversion);
+the entry is then written into a temporary directory and renamed into place, so an
+interrupted or failed conversion leaves nothing behind, and a second process converting the same file keeps the entry the first put there
 (see paths.atomic_dir). The entry records the SHA-256 of its files; one that no longer matches
 (damaged on disk) is converted again, with a warning, rather than used.
 """
@@ -21,6 +22,7 @@ import json
 import os
 import warnings
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Callable
 
 from ..config import ModelConfig
@@ -39,28 +41,51 @@ class LoadedCheckpoint:
     PreTrainedTokenizerFast, or None for weight-only dirs).
 
     ``state_dict`` (name -> float32 tensor) is read on first use (a GGUF's dequantized then):
-    a run whose prepared weights are cached (models.prepared) never reads them. ``weights_key``
-    names those float32 weights by content (the source's digest and the converter version).
+    a run whose prepared weights are cached (models.prepared) never reads them. ``weights()``
+    gives them for one pass instead, read tensor by tensor where the source allows it.
+    ``weights_key`` names those float32 weights by content (the source's digest and the
+    converter version).
     """
 
     def __init__(self, name: str, source: Path, config: ModelConfig, state_dict: dict | None,
                  tokenizer: Any, read_weights: Callable[[], dict] | None = None,
-                 weights_key: str | None = None):
+                 weights_key: str | None = None, stream_weights: Callable[[], Mapping] | None = None):
         self.name, self.source, self.config, self.tokenizer = name, source, config, tokenizer
         self._state_dict, self._read_weights, self.weights_key = state_dict, read_weights, weights_key
+        self._stream_weights = stream_weights
         # (files, digest) to record in the digest memo once the weights proved good, or None
         self.unremembered: tuple | None = None
+        # writes the GGUF conversion this run made into the cache once the weights proved good
+        # (every value read and checked), or None
+        self.pending_entry: Callable[[], None] | None = None
 
     @property
     def state_dict(self) -> dict | None:
         if self._state_dict is None and self._read_weights is not None:
             self._state_dict = self._read_weights()
+            self.commit_conversion()
         return self._state_dict
 
     @state_dict.setter
     def state_dict(self, sd: dict | None) -> None:
         """Set the weights; ``None`` drops them (they are read again on next use)."""
         self._state_dict = sd
+
+    def weights(self) -> Mapping:
+        """The float32 weights for one pass over them (models.build_model): ``state_dict`` when
+        it is read already; else, for a GGUF, a mapping that dequantizes each tensor when it
+        is looked up and keeps none (gguf_file.GGUFWeights), so a model built from it never
+        holds the whole float32 copy; else ``state_dict``."""
+        if self._state_dict is None and self._stream_weights is not None:
+            return self._stream_weights()
+        return self.state_dict
+
+    def commit_conversion(self) -> None:
+        """Write this run's conversion into the cache (its weights proved good); a no-op when
+        it made none."""
+        if self.pending_entry is not None:
+            self.pending_entry()
+            self.pending_entry = None
 
 
 def _complete(entry: Path) -> bool:
@@ -75,34 +100,41 @@ def cache_key(digest: str) -> str:
     return hashlib.sha256(f"{digest}|{CONVERTER_VERSION}".encode()).hexdigest()[:16]
 
 
-def _convert_gguf(src: Path, target: Path, progress: bool) -> dict:
-    """Convert ``src`` into the entry ``target``; returns its float32 weights (checked, and kept
-    by the run that converts so it need not dequantize them again)."""
-    from ..models import build_model
-    cfg, sd = _dequantize(src, "converting", progress)
-    build_model(cfg, sd, fuse=False)  # proves the weights make the model before anything is kept
+def _convert_gguf(src: Path, target: Path, digest: str) -> tuple:
+    """Read ``src``'s header and build its tokenizer; its weights are read later, on demand.
+
+    Returns ``(config, weights, tokenizer, commit)``: ``weights`` a GGUFWeights (structure
+    checked: every tensor the model needs, of the header's shapes, nothing else) and
+    ``commit()`` writing the converted entry ``target`` and recording the digest, which the
+    caller runs once the weights proved good (every value read and checked), so a file whose
+    values are damaged leaves nothing in the cache.
+    """
+    from ..models.transformer import check_weight_names
+    from .gguf_file import open_gguf
+    cfg, weights = open_gguf(src)
+    check_weight_names(cfg, {k: weights.shape(k) for k in weights})
     tok = load_tokenizer(src.parent, gguf_file=src.name, what=src, gguf_arch=cfg.family)
     if cfg.family == "gemma3" and not getattr(tok, "chat_template", None):
         from .family_gaps import GEMMA3_CHAT_TEMPLATE
         tok.chat_template = GEMMA3_CHAT_TEMPLATE
-    with atomic_dir(target, complete=_complete) as tmp:
-        (tmp / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-        tok.save_pretrained(str(tmp / "tokenizer"))
-        (tmp / "source.json").write_text(json.dumps({"source": str(src)}))
-        (tmp / CHECKSUM).write_text(json.dumps({"sha256": content_digest(_entry_files(tmp), remember=False)}))
-    return sd
+
+    def commit() -> None:
+        with atomic_dir(target, complete=_complete) as tmp:
+            (tmp / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+            tok.save_pretrained(str(tmp / "tokenizer"))
+            (tmp / "source.json").write_text(json.dumps({"source": str(src)}))
+            (tmp / CHECKSUM).write_text(json.dumps({"sha256": content_digest(_entry_files(tmp), remember=False)}))
+        remember_digest([src], digest)  # only now: the file proved a good GGUF
+    return cfg, weights, tok, commit
 
 
-def _dequantize(src: Path, verb: str, progress: bool) -> tuple:
-    """``(config, float32 state dict)`` of the GGUF ``src``, with a progress bar on stderr."""
-    from .gguf_file import load_gguf
-    bar = None
+def _read_all(weights: Mapping, src: Path, progress: bool) -> dict:
+    """Every tensor of ``weights`` read into a dict, with a progress bar on stderr."""
+    names = list(weights)
     if progress:
         from tqdm import tqdm
-
-        def bar(items, total=None):
-            return tqdm(items, total=total, desc=f"{verb} {src.name}", unit="tensor", leave=True)
-    return load_gguf(src, progress=bar)
+        names = tqdm(names, desc=f"dequantizing {src.name}", unit="tensor", leave=True)
+    return {k: weights[k] for k in names}
 
 
 def _entry_files(entry: Path) -> list:
@@ -172,10 +204,13 @@ def _open_checkpoint(name_or_path: str, progress: bool, with_tokenizer: bool) ->
         warnings.warn(f"converted cache entry {target} is damaged (its checksum does not match); "
                       "converting again", stacklevel=2)
         discard_entry(target)
-    converted = None
     if not _complete(target):
-        converted = _convert_gguf(src, target, progress)
-    remember_digest([src], digest)  # only now: the file proved a good GGUF
+        cfg, weights, tok, commit = _convert_gguf(src, target, digest)
+        ck = LoadedCheckpoint(name, src, cfg, None, tok if with_tokenizer else None,
+                              lambda: _read_all(weights, src, progress), target.name, lambda: weights)
+        ck.pending_entry = commit
+        return ck
+    remember_digest([src], digest)
     try:
         cfg = ModelConfig.from_dict(json.loads((target / "config.json").read_text()))
     except Exception as e:
@@ -184,8 +219,12 @@ def _open_checkpoint(name_or_path: str, progress: bool, with_tokenizer: bool) ->
     if with_tokenizer:
         tok = checkpoint_tokenizer(target / "tokenizer", what=f"the converted cache entry {target} "
                              "(delete it and retry)")
-    return LoadedCheckpoint(name, src, cfg, converted, tok, lambda: _dequantize(src, "dequantizing", progress)[1],
-                            target.name)
+
+    def stream():
+        from .gguf_file import open_gguf
+        return open_gguf(src)[1]
+    return LoadedCheckpoint(name, src, cfg, None, tok, lambda: _read_all(stream(), src, progress),
+                            target.name, stream)
 
 
 def _looks_like_gguf(p: Path) -> bool:

@@ -1,7 +1,8 @@
 """Prepared weights: a quantized model's tensors written once to the cache, memory-mapped after.
 
-The first run with a weight recipe (``auto``, int8, int4, bf16) reads the float32 weights,
-builds the quantized model (int4 takes a GGUF's own 4-bit groups where it stores them) and
+The first run with a weight recipe (``auto``, int8, int4, bf16) reads the float32 weights
+(a GGUF's tensor by tensor: one float32 tensor is held at a time, not the model's), builds the
+quantized model (int4 takes a GGUF's own 4-bit groups where it stores them) and
 writes its state to ``$LONGATTN_CACHE/prepared/<key>/model.pt``, with the recipe it was built
 with in ``recipe.json`` (what ``auto`` resolved to); every
 later run maps that file and builds the model around it (models.prepared): no float32 copy,
@@ -20,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 from ..errors import LongattnError
@@ -47,29 +49,47 @@ def _complete(entry: Path) -> bool:
     return all((entry / f).exists() for f in (MODEL_FILE, RECIPE_FILE, CHECKSUM))
 
 
-def _remember_source(ck: LoadedCheckpoint) -> None:
-    """Record the source's digest in the memo now that its weights made a model."""
+def _weights_proven(ck: LoadedCheckpoint) -> None:
+    """Record what waited on the source's weights making a model: the source's digest in the
+    memo, and the conversion this run made (LoadedCheckpoint.commit_conversion)."""
+    ck.commit_conversion()
     if ck.unremembered is not None:
         remember_digest(*ck.unremembered)
         ck.unremembered = None
 
 
-def _stages(desc: str, progress: bool):
-    """A three-stage progress bar on stderr (read, quantize, write): ``stage(name)`` moves it on,
-    ``stage(None)`` closes it. A no-op without ``progress``."""
-    if not progress:
-        return lambda name: None
-    from tqdm import tqdm
-    bar = tqdm(total=3, desc=desc, unit="stage", leave=True, bar_format="{desc}: {n}/{total} {postfix}")
-    bar.set_postfix_str("read float32")
+class _Counted(Mapping):
+    """``weights`` moving a progress bar on at each tensor read."""
 
-    def stage(name):
-        bar.update(1)
-        if name is None:
+    def __init__(self, weights: Mapping, bar):
+        self.weights, self.bar = weights, bar
+
+    def __getitem__(self, key):
+        t = self.weights[key]
+        self.bar.update(1)
+        return t
+
+    def __iter__(self):
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+
+def _progress(weights: Mapping, desc: str, progress: bool) -> tuple:
+    """``(weights, done)``: with ``progress``, a bar on stderr counting the tensors read,
+    and ``done(note)`` to show the step after reading (``None`` closes the bar)."""
+    if not progress:
+        return weights, lambda note: None
+    from tqdm import tqdm
+    bar = tqdm(total=len(weights), desc=desc, unit="tensor", leave=True)
+
+    def done(note):
+        if note is None:
             bar.close()
         else:
-            bar.set_postfix_str(name)
-    return stage
+            bar.set_postfix_str(note)
+    return _Counted(weights, bar), done
 
 
 def _int4_blocks(ck: LoadedCheckpoint) -> dict:
@@ -80,15 +100,22 @@ def _int4_blocks(ck: LoadedCheckpoint) -> dict:
     return read_int4_blocks(ck.source)
 
 
-def resolve_recipe(ck: LoadedCheckpoint, recipe: str) -> tuple:
+def _matrices(weights: Mapping) -> list:
+    """Names of the 2-D tensors of ``weights``, read from the header where it has one."""
+    shape = getattr(weights, "shape", None)
+    return [k for k in weights if len(shape(k) if callable(shape) else weights[k].shape) == 2]
+
+
+def resolve_recipe(ck: LoadedCheckpoint, recipe: str, weights: Mapping | None = None) -> tuple:
     """``(fmt, keep_int8, int4_blocks)`` to build ``recipe`` from: ``auto`` becomes its
     concrete recipe for this checkpoint (models.weights.auto_recipe); int4 takes the
-    checkpoint's own 4-bit groups where it stores them."""
+    checkpoint's own 4-bit groups where it stores them. ``weights``: ``ck.weights()`` where
+    the caller has it."""
     from ..models.weights import AUTO, auto_recipe, parse_recipe
     fmt, keep = parse_recipe(recipe)
     blocks = _int4_blocks(ck) if fmt in (AUTO, "int4") else {}
     if fmt == AUTO:
-        matrices = [k for k, t in ck.state_dict.items() if t.dim() == 2]
+        matrices = _matrices(ck.weights() if weights is None else weights)
         fmt, keep = parse_recipe(auto_recipe(matrices, blocks))
     return fmt, keep, (blocks if fmt == "int4" else {})
 
@@ -108,8 +135,11 @@ def prepared_model(ck: LoadedCheckpoint, recipe: str, progress: bool = True):
     from ..models.weights import AUTO, parse_recipe, recipe_name
     fmt, keep = parse_recipe(recipe)
     if (fmt not in PREPARED_FORMATS and fmt != AUTO) or ck.weights_key is None:
-        fmt, keep, blocks = resolve_recipe(ck, recipe)
-        return build_model(ck.config, ck.state_dict, weights=fmt, keep_int8=keep, int4_blocks=blocks)
+        weights = ck.weights()
+        fmt, keep, blocks = resolve_recipe(ck, recipe, weights)
+        model = build_model(ck.config, weights, weights=fmt, keep_int8=keep, int4_blocks=blocks)
+        ck.commit_conversion()
+        return model
     canonical = AUTO if fmt == AUTO else recipe_name(fmt, keep)
     entry = cache_root() / "prepared" / prepared_key(ck.weights_key, canonical)
     if _complete(entry) and not entry_intact(entry, _files):
@@ -128,23 +158,23 @@ def prepared_model(ck: LoadedCheckpoint, recipe: str, progress: bool = True):
             raise LongattnError(f"prepared weights {entry} lack their recipe; "
                                 "run `longattn cache clear` and retry") from None
         model = from_prepared(ck.config, state, built)
-        _remember_source(ck)
+        _weights_proven(ck)
         return model
-    bar = _stages(f"preparing {canonical} weights of {ck.name} (once)", progress)
-    sd = ck.state_dict
-    bar("quantize")
-    fmt, keep, blocks = resolve_recipe(ck, canonical)
-    model = build_model(ck.config, sd, weights=fmt, keep_int8=keep, int4_blocks=blocks)
-    del sd, blocks
-    ck.state_dict = None  # the float32 copy is not needed any more
-    bar("write")
+    # read tensor by tensor (a GGUF: each dequantized, quantized and dropped before the next)
+    weights = ck.weights()
+    fmt, keep, blocks = resolve_recipe(ck, canonical, weights)
+    weights, done = _progress(weights, f"preparing {canonical} weights of {ck.name} (once)", progress)
+    model = build_model(ck.config, weights, weights=fmt, keep_int8=keep, int4_blocks=blocks)
+    del weights, blocks
+    ck.state_dict = None  # a float32 copy read before is not needed any more
+    done("write")
     with atomic_dir(entry, complete=_complete) as tmp:
         torch.save(model.state_dict(), tmp / MODEL_FILE)
         (tmp / RECIPE_FILE).write_text(json.dumps({"recipe": model.weights, "source": str(ck.source)}))
         digest = content_digest(_files(tmp), remember=False)
         (tmp / CHECKSUM).write_text(json.dumps({"sha256": digest}))
-    bar(None)
-    _remember_source(ck)
+    done(None)
+    _weights_proven(ck)
     try:  # the file just written needs no second hash (unless another process's entry won)
         if json.loads((entry / CHECKSUM).read_text())["sha256"] == digest:
             remember_digest(_files(entry), digest)

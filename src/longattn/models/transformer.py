@@ -9,6 +9,7 @@ Shapes: hidden states ``[B, T, hidden]``; q/k/v ``[B, heads, T, head_dim]``; pos
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 
 import torch
 import torch.nn as nn
@@ -411,7 +412,7 @@ class Transformer(nn.Module):
         return out
 
 
-def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype = torch.float32,
+def build_model(cfg: ModelConfig, state_dict: Mapping, dtype: torch.dtype = torch.float32,
                 fuse: bool = True, weights: str | None = None, keep_int8: tuple = (),
                 int4_blocks: dict | None = None) -> Transformer:
     """Instantiate and load weights (strict: a missing or extra tensor is an error).
@@ -435,37 +436,76 @@ def build_model(cfg: ModelConfig, state_dict: dict, dtype: torch.dtype = torch.f
                  "int4": torch.float32}[fmt]
     with torch.device("meta"):
         m = Transformer(cfg)
+    _check_names(cfg, m, set(state_dict))
     m = m.to_empty(device="cpu")
     set_rope_tables(m, cfg)
-    sd = dict(state_dict)
-    if cfg.tie_embeddings:
-        sd.pop("lm_head.weight", None)
     expected = set(k for k, _ in m.named_parameters())
-    missing = expected - set(sd)
-    extra = set(sd) - expected
+
+    # Block by block: each block is loaded, fused and quantized before the next is read, so a
+    # state_dict that reads on lookup (checkpoint.gguf_file.GGUFWeights) holds one block's
+    # float32 weights at a time, not the model's.
+    loaded: set = set()
+    for i, block in enumerate(m.model.layers):
+        loaded |= _load_module(block, f"model.layers.{i}", state_dict, dtype, fmt, int4_blocks)
+        if fuse:
+            block.self_attn.fuse()
+            block.mlp.fuse()
+        if fmt in ("int8", "int4"):
+            _quantize_linears(block, f"model.layers.{i}", fmt, tuple(keep_int8))
+    loaded |= _load_module(m.model.norm, "model.norm", state_dict, dtype, fmt, int4_blocks)
+    if m.lm_head is not None:
+        loaded |= _load_module(m.lm_head, "lm_head", state_dict, dtype, fmt, int4_blocks)
+        if fmt in ("int8", "int4"):
+            _quantize_linears(m.lm_head, "lm_head", fmt, tuple(keep_int8))
+    loaded |= _load_module(m.model.embed_tokens, "model.embed_tokens", state_dict, dtype, fmt, int4_blocks)
+    if loaded != expected:  # a parameter outside the parts above would be left unset
+        raise LongattnError(f"build_model left {sorted(expected - loaded)[:3]} unset")
+    if fmt in ("int8", "int4"):
+        _quantize_embedding(m, cfg, fmt, tuple(keep_int8),
+                            stored_embed=(int4_blocks or {}).get("model.embed_tokens.weight"))
+    m.weights = recipe_name(fmt, keep_int8)
+    m.eval()
+    return m
+
+
+def _check_names(cfg: ModelConfig, m: Transformer, names: set) -> None:
+    names = names - ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    expected = set(k for k, _ in m.named_parameters())
+    missing, extra = expected - names, names - expected
     if missing or extra:
         raise LongattnError(f"weights do not match the {cfg.family} architecture: "
                             f"missing {sorted(missing)[:3]}, unexpected {sorted(extra)[:3]}")
+
+
+def check_weight_names(cfg: ModelConfig, shapes: dict) -> None:
+    """Refuse (LongattnError, one line) weights ``shapes`` (name -> shape) that build_model
+    would refuse for their names or shapes, without reading any value."""
+    with torch.device("meta"):
+        m = Transformer(cfg)
+    _check_names(cfg, m, set(shapes))
     for k, p in m.named_parameters():
-        t = sd[k]
+        if tuple(shapes[k]) != tuple(p.shape):
+            raise LongattnError(f"tensor {k} has shape {tuple(shapes[k])}, config expects {tuple(p.shape)}")
+
+
+def _load_module(module: nn.Module, prefix: str, state_dict, dtype: torch.dtype, fmt: str,
+                 int4_blocks: dict | None) -> set:
+    """Set ``module``'s parameters from ``state_dict[prefix.<name>]`` (shapes checked):
+    matrices in ``dtype``, vectors in float32; with int4, each Linear takes the checkpoint's
+    own 4-bit parts where ``int4_blocks`` has them. Returns the names set."""
+    names = set()
+    for k, p in module.named_parameters(prefix=prefix):
+        names.add(k)
+        t = state_dict[k]
         if tuple(t.shape) != tuple(p.shape):
             raise LongattnError(f"tensor {k} has shape {tuple(t.shape)}, config expects {tuple(p.shape)}")
         big = t.dim() == 2 or dtype == torch.float64
         p.data = t.to(dtype if big else torch.float32).contiguous()
     if fmt == "int4" and int4_blocks:
-        for name, mod in m.named_modules():
+        for name, mod in module.named_modules(prefix=prefix):
             if isinstance(mod, Linear):
                 mod.stored_int4 = int4_blocks.get(f"{name}.weight")
-    if fuse:
-        for block in m.model.layers:
-            block.self_attn.fuse()
-            block.mlp.fuse()
-    if fmt in ("int8", "int4"):
-        _quantize(m, cfg, fmt, tuple(keep_int8),
-                  stored_embed=(int4_blocks or {}).get("model.embed_tokens.weight"))
-    m.weights = recipe_name(fmt, keep_int8)
-    m.eval()
-    return m
+    return names
 
 
 def set_rope_tables(m: Transformer, cfg: ModelConfig) -> None:
@@ -481,17 +521,30 @@ def _quantize(m: Transformer, cfg: ModelConfig, fmt: str, keep_int8: tuple = (),
     int4, modules whose name contains a ``keep_int8`` fragment go to int8. ``structure_only``:
     empty buffers of the quantized shapes, nothing computed (models.prepared). ``stored_embed``:
     the checkpoint's own int4 parts of the embedding table (build_model's int4_blocks)."""
-    def quantize(mod: Linear, name: str) -> None:
-        int8 = fmt == "int8" or any(frag in name for frag in keep_int8)
-        mod.to_int8(structure_only) if int8 else mod.to_int4(structure_only)
+    _quantize_linears(m, "", fmt, keep_int8, structure_only)
+    _quantize_embedding(m, cfg, fmt, keep_int8, structure_only, stored_embed)
 
-    for name, mod in list(m.named_modules()):
+
+def _quantize_one(mod: Linear, name: str, fmt: str, keep_int8: tuple, structure_only: bool) -> None:
+    int8 = fmt == "int8" or any(frag in name for frag in keep_int8)
+    mod.to_int8(structure_only) if int8 else mod.to_int4(structure_only)
+
+
+def _quantize_linears(module: nn.Module, prefix: str, fmt: str, keep_int8: tuple,
+                      structure_only: bool = False) -> None:
+    """Every Linear in ``module`` (named ``prefix.<name>`` in the model) as in _quantize."""
+    for name, mod in list(module.named_modules(prefix=prefix)):
         if isinstance(mod, Linear):
-            quantize(mod, name)
+            _quantize_one(mod, name, fmt, keep_int8, structure_only)
+
+
+def _quantize_embedding(m: Transformer, cfg: ModelConfig, fmt: str, keep_int8: tuple,
+                        structure_only: bool = False, stored_embed: tuple | None = None) -> None:
+    """The embedding table (and a tied head, which shares it) as in _quantize."""
     table = Linear(cfg.hidden_size, cfg.vocab_size, False)
     table.weight.data = m.model.embed_tokens.weight.data
     table.stored_int4 = stored_embed
-    quantize(table, "model.embed_tokens")
+    _quantize_one(table, "model.embed_tokens", fmt, keep_int8, structure_only)
     m.model.embed_tokens = QuantEmbedding(table)
     if m.lm_head is None:
         m._tied_head = table

@@ -47,11 +47,34 @@ def parse_weights(name: str) -> str:
     return key
 
 
+# Values quantized per call: rows are independent, so a large matrix is quantized in slices
+# of rows, which bounds the float temporaries (an embedding table's are 0.5 GB each, whole).
+QUANTIZE_SLICE = 1 << 22
+
+
+def _by_rows(fn, w: torch.Tensor, empty_outputs) -> tuple:
+    """``fn(w)`` computed over slices of ``w``'s rows into ``empty_outputs()`` (empty tensors
+    of the results' shapes), or whole where ``w`` is small or on the meta device."""
+    N, K = w.shape
+    if w.device.type == "meta" or N * K <= QUANTIZE_SLICE:
+        return fn(w)
+    outputs = empty_outputs()
+    step = max(1, QUANTIZE_SLICE // max(K, 1))
+    for i in range(0, N, step):
+        for out, part in zip(outputs, fn(w[i:i + step])):
+            out[i:i + step] = part
+    return outputs
+
+
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8. ``w [N, K]`` float -> (q ``[N, K]`` int8, scales ``[N]`` float32).
 
     Rows that are all zero get scale 1 (q = 0), so dequantizing never divides by zero.
     """
+    return _by_rows(_quantize_int8, w, lambda: (torch.empty(w.shape, dtype=torch.int8), torch.empty(w.shape[0])))
+
+
+def _quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = w.float()
     amax = w.abs().amax(dim=1)
     scales = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
@@ -130,6 +153,14 @@ def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     N, K = w.shape
     if K % INT4_GROUP:
         raise LongattnError(f"int4 needs rows that are a multiple of {INT4_GROUP} values, got {K}")
+    groups = (N, K // INT4_GROUP)
+    return _by_rows(_quantize_int4, w, lambda: (torch.empty(N, K // 2, dtype=torch.uint8),
+                                                torch.empty(groups, dtype=torch.float16),
+                                                torch.empty(groups, dtype=torch.float16)))
+
+
+def _quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    N, K = w.shape
     wg = w.float().reshape(N, K // INT4_GROUP, INT4_GROUP)
     lo, hi = wg.amin(-1), wg.amax(-1)
     if w.device.type != "meta" and bool((hi.abs() > 65504).any() or (lo.abs() > 65504).any()):
