@@ -141,3 +141,34 @@ def test_generate_runs_the_ahead_of_time_step_and_the_files_int4_by_default(tmp_
     steps = [run["step"] for run in runs.values()]
     assert steps == ["aot", "eager", "eager"]  # sparse layers have no ahead-of-time step
     assert {run["weights"] for run in runs.values()} == {"int4+int8:embed,lm_head"}
+
+
+def test_a_failed_build_falls_back_to_the_eager_step_by_default_and_is_refused_by_name(
+        cache, tmp_path, monkeypatch, capsys):
+    """A machine where the step cannot be built (no C++ compiler, say): the default run says so
+    in one line and answers from the eager step, the same tokens; ``--compile aot`` is refused
+    in one line (exit 2); nothing is left in the cache."""
+    import json
+
+    from longattn.cli.main import main
+    from tiny_gguf import write_tiny_gguf
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    args = ["generate", "--model", str(gguf), "--prompt", "the cat", "--max-new-tokens", "4", "--json",
+            "--threads", "2"]
+    assert main(args + ["--compile", "none"]) == 0
+    eager = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    def no_compiler(*a, **k):
+        raise RuntimeError("g++: command not found")
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiler)
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    got = json.loads(out.strip().splitlines()[-1])
+    assert "could not be built (RuntimeError: g++: command not found); decoding with the eager step" in err
+    assert got["step"] == "eager" and got["text"] == eager["text"]
+    assert main(args + ["--compile", "aot"]) == 2
+    err = capsys.readouterr().err
+    (line,) = [line for line in err.splitlines() if line.startswith("longattn:")]
+    assert line.endswith("the ahead-of-time decode step could not be built (RuntimeError: g++: command not "
+                         "found); decode with the eager step (--compile none)")
+    assert entries(cache) == []

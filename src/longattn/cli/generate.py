@@ -113,6 +113,7 @@ def run(args) -> int:
     check_context(ck.config, policy, len(ids) + args.max_new_tokens, args,
                   f"the prompt ({len(ids)} tokens) plus --max-new-tokens {args.max_new_tokens}")
     model = model_for(ck, args)
+    chosen = args.compile == "auto"
     if args.compile == "auto":  # decided after the load, so bad input is refused before the kernels build
         args.compile = "aot" if args.policy not in ("sparse", "auto") and native.available() else "none"
     taus = SparseTaus(ck, model, policy, getattr(args, "sparse_calibrate", False))
@@ -126,7 +127,17 @@ def run(args) -> int:
         from ..engine.static_step import StaticDecoder
         max_len = len(ids) + max(args.max_new_tokens, 1)
         if args.compile == "aot":
-            session = StaticDecoder(model, policy, max_len=max_len, compile="aot")
+            from ..engine.aot_step import AOTBuildError
+            try:
+                session = StaticDecoder(model, policy, max_len=max_len, compile="aot")
+            except AOTBuildError as e:
+                if not chosen:  # asked for by name: refused in one line
+                    raise
+                # the default: the same answer from the eager step, a little slower
+                print(f"-- the ahead-of-time decode step could not be built ({e.reason}); decoding with "
+                      "the eager step", file=sys.stderr, flush=True)
+                args.compile = "none"
+                session = Session(model, policy)
         else:
             session = StaticDecoder(model, policy, max_len=max_len, compile=True)
             print("-- compiling the decode step ...", file=sys.stderr, flush=True)

@@ -38,6 +38,16 @@ from ..checkpoint.paths import atomic_dir, cache_root
 from ..errors import LongattnError
 from ..ops import native
 
+class AOTBuildError(LongattnError):
+    """The ahead-of-time step could not be built here (export or the C++ build failed);
+    ``reason`` says why in a few words."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"the ahead-of-time decode step could not be built ({reason}); "
+                         "decode with the eager step (--compile none)")
+        self.reason = reason
+
+
 AOT_VERSION = "1"  # bump when the exported step's inputs, outputs or structure change
 STEP_FILE = "step.pt2"
 
@@ -141,8 +151,7 @@ def _build(decoder, entry: Path, progress: bool) -> None:
             (tmp / CHECKSUM).write_text(json.dumps({"sha256": content_digest(_files(tmp), remember=False)}))
     except Exception as e:  # export or the C++ build failed: say so in one line, leave nothing
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise LongattnError(f"the ahead-of-time decode step could not be built ({type(e).__name__}: "
-                            f"{first[:200]}); decode without --compile aot") from None
+        raise AOTBuildError(f"{type(e).__name__}: {first[:200]}") from None
     if progress:
         print(f"-- built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
 
