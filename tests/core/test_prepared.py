@@ -162,21 +162,16 @@ def test_f32_is_built_from_the_checkpoint(cache):
     assert m.weights == "f32" and _entries(cache) == []
 
 
-@pytest.mark.real
-def test_preparing_a_gguf_holds_one_block_of_float32_at_a_time(cache):
-    """SmolLM2's 30 blocks read from its GGUF tensor by tensor: when a matrix is read, the
-    float32 matrices read before it whose memory is still held are at most one block's (a
-    block is quantized before the next is read); the model is the one the whole float32 dict
-    makes."""
+def _prepare_tracking_float32(ck, recipe: str) -> tuple:
+    """``(model, matrices read, most float32 matrices held at once, matrices per block)`` of
+    preparing ``ck``: when a matrix is read, how many matrices read before it still hold
+    their memory."""
     from torch.multiprocessing.reductions import StorageWeakRef
-
-    from longattn.checkpoint.gguf_file import GGUFWeights
-    ck = load_checkpoint("smollm2-135m", progress=False, read_weights=False)
     weights = ck.weights()
-    assert isinstance(weights, GGUFWeights)
     per_block = sum(1 for k in weights if k.startswith("model.layers.0.") and len(weights.shape(k)) == 2)
     held, most = [], 0
-    read = GGUFWeights.__getitem__
+    cls = type(weights)
+    read = cls.__getitem__
 
     def tracked(self, key):
         nonlocal most
@@ -185,13 +180,38 @@ def test_preparing_a_gguf_holds_one_block_of_float32_at_a_time(cache):
         if t.dim() == 2:
             held.append(StorageWeakRef(t.untyped_storage()))
         return t
-    GGUFWeights.__getitem__ = tracked
+    cls.__getitem__ = tracked
     try:
-        m = prepared_model(ck, "int8", progress=False)
+        m = prepared_model(ck, recipe, progress=False)
     finally:
-        GGUFWeights.__getitem__ = read
-    assert len(held) == per_block * ck.config.num_layers + 1 and most <= per_block, (most, per_block)
+        cls.__getitem__ = read
+    return m, len(held), most, per_block
+
+
+@pytest.mark.real
+def test_preparing_a_gguf_holds_one_block_of_float32_at_a_time(cache):
+    """SmolLM2's 30 blocks read from its GGUF tensor by tensor: the float32 matrices held at
+    once are at most one block's (a block is quantized before the next is read); the model is
+    the one the whole float32 dict makes."""
+    from longattn.checkpoint.gguf_file import GGUFWeights
+    ck = load_checkpoint("smollm2-135m", progress=False, read_weights=False)
+    assert isinstance(ck.weights(), GGUFWeights)
+    m, read, most, per_block = _prepare_tracking_float32(ck, "int8")
+    assert read == per_block * ck.config.num_layers + 1 and most <= per_block, (most, per_block)
     full = load_checkpoint("smollm2-135m", progress=False)
+    assert torch.equal(m(IDS), build_model(full.config, full.state_dict, weights="int8")(IDS))
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_preparing_an_hf_directory_holds_one_block_of_float32_at_a_time(family, cache):
+    """The same from safetensors (Phi-3: fused q/k/v and gate/up read as their parts)."""
+    from longattn.checkpoint.hf_dir import HFWeights
+    d = tiny_dir(family)
+    ck = load_checkpoint(d, with_tokenizer=False, read_weights=False)
+    assert isinstance(ck.weights(), HFWeights)
+    m, read, most, per_block = _prepare_tracking_float32(ck, "int8")
+    assert read > 2 * per_block and most <= per_block, (read, most, per_block)
+    full = load_checkpoint(d, with_tokenizer=False)
     assert torch.equal(m(IDS), build_model(full.config, full.state_dict, weights="int8")(IDS))
 
 

@@ -295,7 +295,7 @@ class GGUFWeights(Mapping):
             if key is None:  # read into the config: its values are checked all the same
                 check_values(t.name, _float32(t), self.path)
             elif cfg.family == "phi3" and key.endswith(("qkv_proj.weight", "gate_up_proj.weight")):
-                # the fused rows, split as hf_dir.split_fused splits an HF checkpoint's
+                # the fused rows, read as the separate projections (as hf_dir.HFWeights does)
                 fused = key.endswith("qkv_proj.weight")
                 pre = key[: -len("qkv_proj.weight" if fused else "gate_up_proj.weight")]
                 parts, sizes = (("q_proj", "k_proj", "v_proj"), (q, kv, kv)) if fused else \

@@ -73,9 +73,9 @@ class LoadedCheckpoint:
 
     def weights(self) -> Mapping:
         """The float32 weights for one pass over them (models.build_model): ``state_dict`` when
-        it is read already; else, for a GGUF, a mapping that dequantizes each tensor when it
-        is looked up and keeps none (gguf_file.GGUFWeights), so a model built from it never
-        holds the whole float32 copy; else ``state_dict``."""
+        it is read already; else a mapping that reads (a GGUF's: dequantizes) each tensor when it
+        is looked up and keeps none (gguf_file.GGUFWeights; an HF directory's: hf_dir.HFWeights),
+        so a model built from it never holds the whole float32 copy."""
         if self._state_dict is None and self._stream_weights is not None:
             return self._stream_weights()
         return self.state_dict
@@ -185,7 +185,7 @@ def load_checkpoint(name_or_path: str, progress: bool = True, with_tokenizer: bo
 def _open_checkpoint(name_or_path: str, progress: bool, with_tokenizer: bool) -> LoadedCheckpoint:
     name, src = resolve_model(name_or_path)
     if src.is_dir():
-        from .hf_dir import hf_dir_config, hf_dir_weight_files, load_hf_weights
+        from .hf_dir import HFWeights, hf_dir_config, hf_dir_weight_files, load_hf_weights
         cfg = hf_dir_config(src)
         files = hf_dir_weight_files(src)
         tok = None
@@ -193,7 +193,8 @@ def _open_checkpoint(name_or_path: str, progress: bool, with_tokenizer: bool) ->
             tok = checkpoint_tokenizer(src)
         # remembered only once the weights proved good (prepared.py): a refused run leaves no trace
         digest = content_digest([src / "config.json", *files], remember=False)
-        ck = LoadedCheckpoint(name, src, cfg, None, tok, lambda: load_hf_weights(src, cfg), cache_key(digest))
+        ck = LoadedCheckpoint(name, src, cfg, None, tok, lambda: load_hf_weights(src, cfg), cache_key(digest),
+                              lambda: HFWeights(src, cfg))
         ck.unremembered = ([src / "config.json", *files], digest)
         return ck
     if src.suffix not in (".gguf", ".bin") and not _looks_like_gguf(src):
