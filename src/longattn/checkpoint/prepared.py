@@ -137,7 +137,10 @@ def prepared_model(ck: LoadedCheckpoint, recipe: str, progress: bool = True):
     if (fmt not in PREPARED_FORMATS and fmt != AUTO) or ck.weights_key is None:
         weights = ck.weights()
         fmt, keep, blocks = resolve_recipe(ck, recipe, weights)
+        # a bar while the source is read (not for weights in memory already)
+        weights, done = _progress(weights, f"reading {ck.name} in {fmt}", progress and not isinstance(weights, dict))
         model = build_model(ck.config, weights, weights=fmt, keep_int8=keep, int4_blocks=blocks)
+        done(None)
         ck.commit_conversion()
         return model
     canonical = AUTO if fmt == AUTO else recipe_name(fmt, keep)
