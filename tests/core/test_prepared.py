@@ -65,7 +65,7 @@ def test_a_hit_maps_the_file_and_never_reads_float32(cache):
 
     def refuse():
         raise AssertionError("the float32 weights were read on a cache hit")
-    ck._read_weights = refuse
+    ck._weights = refuse
     m = prepared_model(ck, "int8", progress=False)
     (entry,) = _entries(cache)
     assert _maps(entry / MODEL_FILE)

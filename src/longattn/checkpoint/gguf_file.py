@@ -5,14 +5,14 @@ What the GGUF converter changed and we undo here:
   back to the half-split (NeoX) layout the HF model uses. Proven by logits in the tests.
 - gemma2, gemma3: RMSNorm weights are stored as (1 + w); we subtract 1 so the model applies
   (1 + w) exactly once, as the HF checkpoint does.
-- phi3: q/k/v and gate/up stay fused in the file; they are split as for the HF checkpoint.
+- phi3: q/k/v and gate/up stay fused in the file; they are read as their parts
+  (lazy_weights.fused_parts), as from the HF checkpoint.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +23,7 @@ from ..errors import LongattnError
 from .family_gaps import (GEMMA2_ROPE_THETA, GEMMA2_WINDOW, GEMMA3_LOCAL_ROPE_THETA, gemma2_layer_is_global,
                           gemma2_query_pre_attn_scalar, gemma3_layer_is_global)
 from .integrity import check_gguf_structure, check_values
+from .lazy_weights import LazyWeights
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 
@@ -270,69 +271,34 @@ def _hf_name(name: str, cfg: ModelConfig, path: Path) -> tuple:
     raise LongattnError(f"{path.name}: unexpected tensor '{name}'")
 
 
-class GGUFWeights(Mapping):
+class GGUFWeights(LazyWeights):
     """A GGUF file's weights as a read-only mapping HF name -> float32 tensor, each
     dequantized, checked (integrity.check_values) and put in the HF layout when it is looked
-    up, and not kept: a model built tensor by tensor from it holds one float32 tensor at a time
-    instead of the whole model's (Qwen2.5-0.5B: 2 GB). ``shape(name)`` reads the header only.
+    up, and not kept (lazy_weights). ``shape(name)`` reads the header only.
 
     Args:
-        path: the file. reader, cfg: its reader and config when the caller has them (the
-            structure is checked here otherwise).
+        path: the file. reader, cfg: its reader and config (open_gguf).
     """
 
-    def __init__(self, path: str | os.PathLike, reader=None, cfg: ModelConfig | None = None):
+    def __init__(self, path: str | os.PathLike, reader, cfg: ModelConfig):
+        super().__init__(cfg)
         self.path = Path(path)
-        if reader is None:
-            reader = _open(self.path)
-            cfg = _config(reader, self.path)
-            check_gguf_structure(reader, cfg, self.path)
-        self.cfg = cfg
-        self._parts: dict = {}  # HF name -> (gguf tensor, heads to unpermute, rows or None)
-        q, kv, ff = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
         for t in reader.tensors:
             key, heads = _hf_name(t.name, cfg, self.path)
             if key is None:  # read into the config: its values are checked all the same
                 check_values(t.name, _float32(t), self.path)
-            elif cfg.family == "phi3" and key.endswith(("qkv_proj.weight", "gate_up_proj.weight")):
-                # the fused rows, read as the separate projections (as hf_dir.HFWeights does)
-                fused = key.endswith("qkv_proj.weight")
-                pre = key[: -len("qkv_proj.weight" if fused else "gate_up_proj.weight")]
-                parts, sizes = (("q_proj", "k_proj", "v_proj"), (q, kv, kv)) if fused else \
-                    (("gate_proj", "up_proj"), (ff, ff))
-                start = 0
-                for part, n in zip(parts, sizes):
-                    self._parts[f"{pre}{part}.weight"] = (t, 0, slice(start, start + n))
-                    start += n
             else:
-                self._parts[key] = (t, heads, None)
-        self._last = (None, None)  # the last fused tensor read (its parts are read in a row)
+                self._add(key, (t, heads, key), tuple(int(x) for x in reversed(list(t.shape))))
 
-    def __getitem__(self, key: str) -> torch.Tensor:
-        t, heads, rows = self._parts[key]
-        if rows is not None and self._last[0] is t:
-            w = self._last[1]
-        else:
-            w = _float32(t)
-            check_values(t.name, w, self.path)
-            self._last = (t, w) if rows is not None else (None, None)
+    def _read(self, stored) -> torch.Tensor:
+        t, heads, key = stored
+        w = _float32(t)
+        check_values(t.name, w, self.path)
         if heads:
             w = _unpermute_qk(w, heads)
         if self.cfg.norm_plus_one and key.endswith("norm.weight"):
             w = w - 1.0
-        return w if rows is None else w[rows].contiguous()
-
-    def shape(self, key: str) -> tuple:
-        """``key``'s shape in PyTorch ``[out, in]`` order, from the header."""
-        t, _, rows = self._parts[key]
-        shape = tuple(int(x) for x in reversed(list(t.shape)))
-        return shape if rows is None else (rows.stop - rows.start, *shape[1:])
-
-    def __iter__(self):
-        return iter(self._parts)
-
-    def __len__(self) -> int:
-        return len(self._parts)
+        return w
 
 
 def _config(reader, path: Path) -> ModelConfig:

@@ -8,7 +8,6 @@ change outputs at inference (dropouts, initializer ranges, cache flags) are not 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -16,6 +15,7 @@ import torch
 from ..config import FAMILIES, ModelConfig
 from ..errors import LongattnError
 from .integrity import check_values
+from .lazy_weights import LazyWeights
 
 # config.json model_type -> longattn family
 _FAMILY = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
@@ -186,20 +186,16 @@ def hf_dir_weight_files(path: Path) -> list:
     return files
 
 
-class HFWeights(Mapping):
+class HFWeights(LazyWeights):
     """An HF directory's weights as a read-only mapping longattn name -> float32 tensor, each
     read from its safetensors file, widened to float32 and checked (integrity.check_values)
-    when it is looked up, and not kept: a model built tensor by tensor from it never holds the
-    whole float32 copy (a bf16 checkpoint's would be twice its size). Phi-3 stores q/k/v as one
-    ``qkv_proj`` (``[q; k; v]`` rows) and gate/up as one ``gate_up_proj`` (``[gate; up]``): they are
-    read as the separate projections. ``shape(name)`` reads the headers only.
+    when it is looked up, and not kept (lazy_weights). ``shape(name)`` reads the headers only.
     """
 
     def __init__(self, path: Path, cfg: ModelConfig):
         from safetensors import safe_open
+        super().__init__(cfg)
         self._files: dict = {}  # file -> its open safetensors handle
-        self._parts: dict = {}  # name -> (file, stored key, its name here, rows of a fused tensor or None)
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         for f in hf_dir_weight_files(path):
             try:
                 handle = safe_open(str(f), framework="pt")
@@ -209,59 +205,16 @@ class HFWeights(Mapping):
             self._files[f] = handle
             for key in keys:
                 k = "model." + key[len("model.language_model."):] if key.startswith("model.language_model.") else key
-                fused = None
-                if cfg.family == "phi3" and k.endswith("self_attn.qkv_proj.weight"):
-                    fused = (k[: -len("qkv_proj.weight")], ("q_proj", "k_proj", "v_proj"), (q, kv, kv))
-                elif cfg.family == "phi3" and k.endswith("mlp.gate_up_proj.weight"):
-                    n = handle.get_slice(key).get_shape()[0]
-                    fused = (k[: -len("gate_up_proj.weight")], ("gate_proj", "up_proj"), ((n + 1) // 2, n // 2))
-                if fused is None:
-                    self._parts[k] = (f, key, k, None)
-                    continue
-                pre, parts, sizes = fused
-                start = 0
-                for part, rows in zip(parts, sizes):
-                    self._parts[f"{pre}{part}.weight"] = (f, key, k, slice(start, start + rows))
-                    start += rows
-        self._last = (None, None)  # the last fused tensor read (its parts are read in a row)
+                self._add(k, (f, key, k), tuple(handle.get_slice(key).get_shape()))
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        f, key, stored, rows = self._parts[name]
-        if rows is not None and self._last[0] == (f, key):
-            return self._last[1][rows].contiguous()
+    def _read(self, stored) -> torch.Tensor:
+        f, key, name = stored
         try:
             t = self._files[f].get_tensor(key).to(torch.float32)
         except Exception as e:
             raise LongattnError(f"cannot read {f}: {e}; the file is truncated or corrupt") from None
-        check_values(stored, t, f)
-        if rows is None:
-            return t
-        self._last = ((f, key), t)
-        return t[rows].contiguous()
-
-    def shape(self, name: str) -> tuple:
-        """``name``'s shape, from its file's header."""
-        f, key, _, rows = self._parts[name]
-        shape = tuple(self._files[f].get_slice(key).get_shape())
-        return shape if rows is None else (rows.stop - rows.start, *shape[1:])
-
-    def __iter__(self):
-        return iter(self._parts)
-
-    def __len__(self) -> int:
-        return len(self._parts)
-
-
-def load_hf_weights(path: Path, cfg: ModelConfig) -> dict:
-    """The directory's weights as float32, under longattn's names (checked for values)."""
-    weights = HFWeights(path, cfg)
-    return {k: weights[k] for k in weights}
-
-
-def load_hf_dir(path: Path) -> tuple[ModelConfig, dict]:
-    """``(config, float32 weights)`` of an HF directory."""
-    cfg = hf_dir_config(path)
-    return cfg, load_hf_weights(path, cfg)
+        check_values(name, t, f)
+        return t
 
 
 def _config_of(cfg_path: Path, name: str) -> ModelConfig:

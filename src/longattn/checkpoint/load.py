@@ -10,8 +10,8 @@ Nothing is written until the file has passed the structural checks (integrity.py
 tensor the model needs, nothing else) and the run has read every weight value and checked it
 (a prepared-weights build, or the float32 state dict; LoadedCheckpoint.commit_conversion);
 the entry is then written into a temporary directory and renamed into place, so an
-interrupted or failed conversion leaves nothing behind, and a second process converting the same file keeps the entry the first put there
-(see paths.atomic_dir). The entry records the SHA-256 of its files; one that no longer matches
+interrupted or failed conversion leaves nothing behind, and a second process converting the
+same file keeps the entry the first put there (see paths.atomic_dir). The entry records the SHA-256 of its files; one that no longer matches
 (damaged on disk) is converted again, with a warning, rather than used.
 """
 
@@ -21,8 +21,8 @@ import hashlib
 import json
 import os
 import warnings
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Callable
 
 from ..config import ModelConfig
@@ -40,19 +40,23 @@ class LoadedCheckpoint:
     """A checkpoint's name, source path, config and tokenizer (transformers
     PreTrainedTokenizerFast, or None for weight-only dirs).
 
-    ``state_dict`` (name -> float32 tensor) is read on first use (a GGUF's dequantized then):
-    a run whose prepared weights are cached (models.prepared) never reads them. ``weights()``
-    gives them for one pass instead, read tensor by tensor where the source allows it.
-    ``weights_key`` names those float32 weights by content (the source's digest and the
-    converter version).
+    ``weights()`` gives the float32 weights for one pass over them, each tensor read when it is
+    looked up; ``state_dict`` (name -> float32 tensor) reads them all into memory on first use.
+    A run whose prepared weights are cached (models.prepared) reads neither. ``weights_key``
+    names those float32 weights by content (the source's digest and the converter version).
+
+    Args:
+        weights: makes the mapping that reads the source tensor by tensor
+            (gguf_file.GGUFWeights, hf_dir.HFWeights).
+        read_bar: the label of a progress bar on stderr while ``state_dict`` reads, or None.
     """
 
-    def __init__(self, name: str, source: Path, config: ModelConfig, state_dict: dict | None,
-                 tokenizer: Any, read_weights: Callable[[], dict] | None = None,
-                 weights_key: str | None = None, stream_weights: Callable[[], Mapping] | None = None):
+    def __init__(self, name: str, source: Path, config: ModelConfig, tokenizer: Any,
+                 weights: Callable[[], Mapping] | None = None, weights_key: str | None = None,
+                 read_bar: str | None = None):
         self.name, self.source, self.config, self.tokenizer = name, source, config, tokenizer
-        self._state_dict, self._read_weights, self.weights_key = state_dict, read_weights, weights_key
-        self._stream_weights = stream_weights
+        self._weights, self.weights_key, self._read_bar = weights, weights_key, read_bar
+        self._state_dict: dict | None = None
         # (files, digest) to record in the digest memo once the weights proved good, or None
         self.unremembered: tuple | None = None
         # writes the GGUF conversion this run made into the cache once the weights proved good
@@ -61,8 +65,8 @@ class LoadedCheckpoint:
 
     @property
     def state_dict(self) -> dict | None:
-        if self._state_dict is None and self._read_weights is not None:
-            self._state_dict = self._read_weights()
+        if self._state_dict is None and self._weights is not None:
+            self._state_dict = _read_all(self._weights(), self._read_bar)
             self.commit_conversion()
         return self._state_dict
 
@@ -73,11 +77,11 @@ class LoadedCheckpoint:
 
     def weights(self) -> Mapping:
         """The float32 weights for one pass over them (models.build_model): ``state_dict`` when
-        it is read already; else a mapping that reads (a GGUF's: dequantizes) each tensor when it
-        is looked up and keeps none (gguf_file.GGUFWeights; an HF directory's: hf_dir.HFWeights),
-        so a model built from it never holds the whole float32 copy."""
-        if self._state_dict is None and self._stream_weights is not None:
-            return self._stream_weights()
+        it is read already, else a mapping that reads (a GGUF's: dequantizes) each tensor when
+        it is looked up and keeps none, so a model built from it never holds the whole float32
+        copy."""
+        if self._state_dict is None and self._weights is not None:
+            return self._weights()
         return self.state_dict
 
     def commit_conversion(self) -> None:
@@ -128,12 +132,13 @@ def _convert_gguf(src: Path, target: Path, digest: str) -> tuple:
     return cfg, weights, tok, commit
 
 
-def _read_all(weights: Mapping, src: Path, progress: bool) -> dict:
-    """Every tensor of ``weights`` read into a dict, with a progress bar on stderr."""
+def _read_all(weights: Mapping, bar: str | None) -> dict:
+    """Every tensor of ``weights`` read into a dict, with a progress bar on stderr labelled
+    ``bar`` (none when None)."""
     names = list(weights)
-    if progress:
+    if bar is not None:
         from tqdm import tqdm
-        names = tqdm(names, desc=f"dequantizing {src.name}", unit="tensor", leave=True)
+        names = tqdm(names, desc=bar, unit="tensor", leave=True)
     return {k: weights[k] for k in names}
 
 
@@ -185,7 +190,7 @@ def load_checkpoint(name_or_path: str, progress: bool = True, with_tokenizer: bo
 def _open_checkpoint(name_or_path: str, progress: bool, with_tokenizer: bool) -> LoadedCheckpoint:
     name, src = resolve_model(name_or_path)
     if src.is_dir():
-        from .hf_dir import HFWeights, hf_dir_config, hf_dir_weight_files, load_hf_weights
+        from .hf_dir import HFWeights, hf_dir_config, hf_dir_weight_files
         cfg = hf_dir_config(src)
         files = hf_dir_weight_files(src)
         tok = None
@@ -193,13 +198,13 @@ def _open_checkpoint(name_or_path: str, progress: bool, with_tokenizer: bool) ->
             tok = checkpoint_tokenizer(src)
         # remembered only once the weights proved good (prepared.py): a refused run leaves no trace
         digest = content_digest([src / "config.json", *files], remember=False)
-        ck = LoadedCheckpoint(name, src, cfg, None, tok, lambda: load_hf_weights(src, cfg), cache_key(digest),
-                              lambda: HFWeights(src, cfg))
+        ck = LoadedCheckpoint(name, src, cfg, tok, lambda: HFWeights(src, cfg), cache_key(digest))
         ck.unremembered = ([src / "config.json", *files], digest)
         return ck
     if src.suffix not in (".gguf", ".bin") and not _looks_like_gguf(src):
         raise LongattnError(f"{src} is neither a GGUF file nor an HF model directory")
     digest = content_digest([src], remember=False)
+    bar = f"dequantizing {src.name}" if progress else None
     target = cache_root() / "converted" / cache_key(digest)
     if _complete(target) and not entry_intact(target):
         warnings.warn(f"converted cache entry {target} is damaged (its checksum does not match); "
@@ -207,8 +212,7 @@ def _open_checkpoint(name_or_path: str, progress: bool, with_tokenizer: bool) ->
         discard_entry(target)
     if not _complete(target):
         cfg, weights, tok, commit = _convert_gguf(src, target, digest)
-        ck = LoadedCheckpoint(name, src, cfg, None, tok if with_tokenizer else None,
-                              lambda: _read_all(weights, src, progress), target.name, lambda: weights)
+        ck = LoadedCheckpoint(name, src, cfg, tok if with_tokenizer else None, lambda: weights, target.name, bar)
         ck.pending_entry = commit
         return ck
     remember_digest([src], digest)
@@ -221,11 +225,10 @@ def _open_checkpoint(name_or_path: str, progress: bool, with_tokenizer: bool) ->
         tok = checkpoint_tokenizer(target / "tokenizer", what=f"the converted cache entry {target} "
                              "(delete it and retry)")
 
-    def stream():
+    def weights():
         from .gguf_file import open_gguf
         return open_gguf(src)[1]
-    return LoadedCheckpoint(name, src, cfg, None, tok, lambda: _read_all(stream(), src, progress),
-                            target.name, stream)
+    return LoadedCheckpoint(name, src, cfg, tok, weights, target.name, bar)
 
 
 def _looks_like_gguf(p: Path) -> bool:

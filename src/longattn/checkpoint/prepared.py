@@ -101,9 +101,10 @@ def _int4_blocks(ck: LoadedCheckpoint) -> dict:
 
 
 def _matrices(weights: Mapping) -> list:
-    """Names of the 2-D tensors of ``weights``, read from the header where it has one."""
-    shape = getattr(weights, "shape", None)
-    return [k for k in weights if len(shape(k) if callable(shape) else weights[k].shape) == 2]
+    """Names of the 2-D tensors of ``weights``, from the headers where it reads a file."""
+    from .lazy_weights import LazyWeights
+    shape = weights.shape if isinstance(weights, LazyWeights) else (lambda k: weights[k].shape)
+    return [k for k in weights if len(shape(k)) == 2]
 
 
 def resolve_recipe(ck: LoadedCheckpoint, recipe: str, weights: Mapping | None = None) -> tuple:
