@@ -442,7 +442,7 @@ def build_model(cfg: ModelConfig, state_dict: Mapping, dtype: torch.dtype = torc
     expected = set(k for k, _ in m.named_parameters())
 
     # Block by block: each block is loaded, fused and quantized before the next is read, so a
-    # state_dict that reads on lookup (checkpoint.gguf_file.GGUFWeights) holds one block's
+    # state_dict that reads on lookup (checkpoint.lazy_weights) holds one block's
     # float32 weights at a time, not the model's.
     loaded: set = set()
     for i, block in enumerate(m.model.layers):
