@@ -222,8 +222,8 @@ def main():
         ids_all = ck.tokenizer(book)["input_ids"]
         models = {}
         for w in args.formats:  # "int4+int8:qkv": int4 with the q/k/v projections kept in int8
-            fmt, keep = parse_recipe(w)
-            models[w] = build_model(cfg, ck.state_dict, weights=fmt, keep_int8=keep)
+            fmt, kinds = parse_recipe(w)
+            models[w] = build_model(cfg, ck.state_dict, weights=fmt, kinds=kinds)
         hf = None
         if min(args.contexts) <= args.hf_max:
             from longattn.checkpoint.oracle import oracle_model

@@ -78,10 +78,10 @@ def main():
         arms += [(f"int4+int8:{frag}", "decode") for frag in args.keep_int8]
         bar = progress_bar(len(arms) * len(texts), desc=name, unit="passage")
         for fmt, arith in arms:
-            # what a run with this recipe builds: auto resolved for the checkpoint, and int4 on
-            # the file's own 4-bit groups where it stores them (as prepared weights are)
-            weights, keep, blocks = resolve_recipe(ck, fmt)
-            model = build_model(ck.config, ck.state_dict, weights=weights, keep_int8=keep, int4_blocks=blocks)
+            # what a run with this recipe builds: auto resolved for the checkpoint, and int4/int5
+            # on the file's own groups where it stores them (as prepared weights are)
+            weights, kinds, stored = resolve_recipe(ck, fmt)
+            model = build_model(ck.config, ck.state_dict, weights=weights, kinds=kinds, stored=stored)
             if fmt == "auto":
                 print(f"{name}: auto is {model.weights}")
             # "decode": every matmul runs the decode-sized kernels (what a generated token sees)

@@ -44,12 +44,12 @@ def _maps(path: Path) -> bool:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "phi3", "gpt_oss"])
-@pytest.mark.parametrize("recipe", ["int8", "int4", "bf16", "int4+int8:embed"])
+@pytest.mark.parametrize("recipe", ["int8", "int4", "bf16", "int4+int8:embed", "int5+int8:qkv+int4:gate_up"])
 def test_prepared_model_equals_built(family, recipe, cache):
     d = tiny_dir(family)
     ck = load_checkpoint(d, with_tokenizer=False)
-    fmt, keep = parse_recipe(recipe)
-    want = build_model(ck.config, ck.state_dict, weights=fmt, keep_int8=keep)(IDS)
+    fmt, kinds = parse_recipe(recipe)
+    want = build_model(ck.config, ck.state_dict, weights=fmt, kinds=kinds)(IDS)
     first = prepared_model(load_checkpoint(d, with_tokenizer=False, read_weights=False), recipe, progress=False)
     assert torch.equal(first(IDS), want)
     (entry,) = _entries(cache)

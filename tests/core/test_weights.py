@@ -1,6 +1,6 @@
-"""Weight formats (f32, bf16, int8, int4): the quantizers, the int8 and int4 kernels against
-exact references, every attention site under each format, and int8's and int4's quality cost
-on a real model.
+"""Weight formats (f32, bf16, int8, int4, int5): the quantizers, the int8, int4 and int5
+kernels against exact references, every attention site under each format, and int8's and
+int4's quality cost on a real model.
 
 Tolerances: a quantized model is compared with a float64 model built from the weights it
 really multiplies by (``effective_state_dict``). With WIDEN_ROWS raised the full forward runs
@@ -16,14 +16,15 @@ from longattn.errors import LongattnError
 from longattn.models import build_model
 from longattn.models import transformer
 from longattn.ops import linear, native
-from longattn.models.weights import parse_weights, quantize_int4, quantize_int8
-from longattn.ops.linear import (INT4_GROUP, dequantize_int4, dequantize_int8, int4_matmul, int8_matmul,
-                                 quantize_activations)
+from longattn.models.weights import (int4_as_int5, pack_fifth_bits, parse_weights, quantize_int4, quantize_int5,
+                                    quantize_int8)
+from longattn.ops.linear import (INT4_GROUP, dequantize_int4, dequantize_int5, dequantize_int8, int4_matmul,
+                                 int5_matmul, int8_matmul, quantize_activations)
 from longattn.policy import AttentionPolicy
 from model_paths import assert_paths_agree, assert_streams_agree, ids_for, run_path
 from tolerance import TIE_FLOOR, assert_within_derived
 
-FORMATS = ["f32", "bf16", "int8", "int4"]
+FORMATS = ["f32", "bf16", "int8", "int4", "int5"]
 tiny = tiny_formats
 
 
@@ -44,7 +45,8 @@ def test_quantize_int8_roundtrip_error_is_half_a_step():
 def test_parse_weights_names_and_errors():
     assert parse_weights("bfloat16") == "bf16" and parse_weights(torch.float32) == "f32"
     assert parse_weights("INT8") == "int8" and parse_weights("q4") == "int4"
-    with pytest.raises(LongattnError, match="f32, bf16, int8, int4"):
+    assert parse_weights("q5") == "int5"
+    with pytest.raises(LongattnError, match="f32, bf16, int8, int4, int5"):
         parse_weights("fp8")
 
 
@@ -147,46 +149,90 @@ def test_quantize_int4_layout_and_error_bound():
         quantize_int4(torch.randn(4, 40))
 
 
+def test_quantize_int5_layout_and_error_bound():
+    """int5 is int4's layout plus a fifth bit per code (GGML's Q5 order: bit k of a group's
+    little-endian word is value k's); 32 levels give at most half a step of error (plus the
+    float16 rounding of the offset and step), and int4's groups are int5 groups exactly."""
+    g = torch.Generator().manual_seed(1)
+    u = torch.randint(0, 32, (3, 64), generator=g)
+    u[:, ::32], u[:, 1::32] = 0, 31
+    codes, hbits, d, m = quantize_int5(u.float())
+    assert codes.shape == (3, 32) and hbits.shape == (3, 8) and hbits.dtype == torch.uint8
+    assert torch.equal(d, torch.ones(3, 2, dtype=torch.float16)) and torch.equal(m, torch.zeros(3, 2, dtype=torch.float16))
+    low = u & 15
+    assert torch.equal(codes[:, :16], (low[:, :16] | (low[:, 16:32] << 4)).to(torch.uint8))
+    word = sum(int((u[0, k] >> 4) & 1) << k for k in range(32))  # group 0 of row 0
+    assert int.from_bytes(bytes(hbits[0, :4].tolist()), "little") == word
+    assert torch.equal(dequantize_int5(codes, hbits, d, m), u.float())
+    assert torch.equal(pack_fifth_bits((u.reshape(3, 2, 32) >> 4) & 1), hbits)
+    w = torch.randn(37, 96, generator=g) * torch.logspace(-3, 1, 37)[:, None]
+    w[5] = 0.0
+    codes, hbits, d, m = quantize_int5(w)
+    wg = w.double().reshape(37, 3, 32)
+    lo, hi, dd, mm = wg.amin(-1), wg.amax(-1), d.double(), m.double()
+    bound = dd / 2 + (mm - lo).abs() + 31 * (dd - (hi - lo) / 31).abs()
+    err = (dequantize_int5(codes, hbits, d, m, torch.float64).reshape(37, 3, 32) - wg).abs()
+    assert torch.all(err <= bound[..., None] * (1 + 1e-9)) and float(err[5].max()) == 0.0
+    # half int4's step: the worst error over the matrix is about half int4's
+    err4 = (dequantize_int4(*quantize_int4(w), dtype=torch.float64).reshape(37, 3, 32) - wg).abs()
+    assert float((err / err4.amax(-1, keepdim=True).clamp(min=1e-30)).max()) < 0.6
+    c4, d4, m4 = quantize_int4(w)
+    assert torch.equal(dequantize_int5(*int4_as_int5(c4, d4, m4)), dequantize_int4(c4, d4, m4))
+    with pytest.raises(LongattnError, match="multiple of 32"):
+        quantize_int5(torch.randn(4, 40))
+
+
 def test_int4_rows_that_are_not_whole_groups_stay_int8():
     lin = transformer.Linear(40, 8, False)
     lin.weight.data = torch.randn(8, 40)
     lin.to_int4()
     assert lin.codes is None and lin.qweight.dtype == torch.int8
+    lin = transformer.Linear(40, 8, False)
+    lin.weight.data = torch.randn(8, 40)
+    lin.to_int5()
+    assert lin.codes is None and lin.hbits is None and lin.qweight.dtype == torch.int8
 
 
 @pytest.mark.parametrize("rows", [1, 3, 5])
 @pytest.mark.parametrize("K", [32, 96, 160, 288, 544, 896])  # G % 8 and G % 4 tails, 8-group blocks
 @pytest.mark.parametrize("wide", [False, True], ids=["avx2", "avx512"])
-def test_int4_kernel_matches_exact_reference(rows, K, wide):
+@pytest.mark.parametrize("bits", [4, 5])
+def test_group_kernels_match_exact_reference(rows, K, wide, bits):
     """Activations rounded per block of 32 exactly as quantize_activations does (a different
     rounding moves a result by a whole step, ~1e4 times this bound), integer dots exact, one
     rounding per group scale and per group term into float32 lanes: within (G + 10) float32
     roundings of the sum of |terms| (G = K / 32) plus half an ulp, against float64 arithmetic on
     the same rounded inputs, for the AVX2 form and (where the CPU has AVX-512 VNNI; elsewhere
-    the AVX2 form is checked twice) the AVX-512 one. PyTorch's evaluation of the same product
-    (the fallback) sums in another order: within K roundings."""
+    the AVX2 form is checked twice) the AVX-512 one, for int4 and int5 (whose codes reach 31:
+    the integer dots stay exact). PyTorch's evaluation of the same product (the fallback) sums
+    in another order: within K roundings."""
     assert native.available()
-    _check_int4_kernel(rows, K, "avx512" if wide and native.has_avx512() else "avx2")
+    _check_group_kernel(rows, K, "avx512" if wide and native.has_avx512() else "avx2", bits)
 
 
-def _check_int4_kernel(rows, K, isa):
+def _check_group_kernel(rows, K, isa, bits):
     g = torch.Generator().manual_seed(rows * 1000 + K)
     N = 70
     x = torch.randn(rows, K, generator=g) * torch.logspace(-2, 1, K)
     x[0, :32] = 0.0  # an all-zero activation block
     w = torch.randn(N, K, generator=g)
     w[3, :32] = 0.5  # a constant weight group (step 0)
-    codes, d, m = quantize_int4(w)
-    y = int4_matmul(x, codes, d, m, kernel="avx2", isa=isa)
+    if bits == 4:
+        codes, d, m = quantize_int4(w)
+        fifth, matmul, deq, op = (), int4_matmul, dequantize_int4, torch.ops.longattn_cpu.int4_gemv
+    else:
+        codes, hbits, d, m = quantize_int5(w)
+        fifth, matmul, deq, op = (hbits,), int5_matmul, dequantize_int5, torch.ops.longattn_cpu.int5_gemv
+    y = matmul(x, codes, *fifth, d, m, kernel="avx2", isa=isa)
     xe = quantize_activations(x).double()
-    ref = xe @ dequantize_int4(codes, d, m, torch.float64).T
-    terms = xe.abs() @ dequantize_int4(codes, d.abs(), m.abs(), torch.float64).T
+    ref = xe @ deq(codes, *fifth, d, m, torch.float64).T
+    terms = xe.abs() @ deq(codes, *fifth, d.abs(), m.abs(), torch.float64).T
     G = K // INT4_GROUP
     assert y.dtype == torch.float32 and y.shape == (rows, N)
     assert torch.all((y.double() - ref).abs() <= 2.0 ** -24 * ref.abs() + (G + 10) * 2.0 ** -23 * terms + 1e-30)
-    y_torch = int4_matmul(x, codes, d, m, kernel="torch")
+    y_torch = matmul(x, codes, *fifth, d, m, kernel="torch")
     assert torch.all((y_torch.double() - ref).abs() <= 2.0 ** -24 * ref.abs() + K * 2.0 ** -23 * terms + 1e-30)
-    assert torch.equal(torch.ops.longattn_cpu.int4_gemv(x.T.contiguous().T, codes, d, m, native.isa_code(isa)), y)
+    assert torch.equal(op(x.T.contiguous().T, codes, *fifth, d, m, native.isa_code(isa)), y)
 
 
 def test_int4_avx512_form_is_refused_without_the_cpu_features():
@@ -204,9 +250,10 @@ def test_int4_avx512_form_is_refused_without_the_cpu_features():
         int4_matmul(x, codes, d, m, kernel="avx2", isa="sse")
 
 
-def test_int4_native_dequantize_is_the_correctly_rounded_weight():
+def test_group_native_dequantize_is_the_correctly_rounded_weight():
     """The prefill path's weight rows (one fma per value) equal float64's d * u + m rounded to
-    float32, bit for bit, for every group of a matrix with constant and zero groups."""
+    float32, bit for bit, for every group of a matrix with constant and zero groups, int4 and
+    int5."""
     assert native.available()
     g = torch.Generator().manual_seed(5)
     w = torch.randn(300, 160, generator=g) * torch.logspace(-4, 1, 300)[:, None]
@@ -218,6 +265,12 @@ def test_int4_native_dequantize_is_the_correctly_rounded_weight():
     assert torch.equal(dequantize_int4(codes, d, m), exact.float())
     with pytest.raises(RuntimeError, match="shapes"):
         torch.ops.longattn_cpu.int4_dequantize(codes, d[:, :2], m)
+    codes, hbits, d, m = quantize_int5(w)
+    exact = dequantize_int5(codes, hbits, d, m, torch.float64)
+    assert torch.equal(torch.ops.longattn_cpu.int5_dequantize(codes, hbits, d, m), exact.float())
+    assert torch.equal(dequantize_int5(codes, hbits, d, m), exact.float())
+    with pytest.raises(RuntimeError, match="hbits"):
+        torch.ops.longattn_cpu.int5_dequantize(codes, hbits[:, :4], d, m)
 
 
 def test_int4_kernel_rejects_wrong_dtypes_and_shapes():
@@ -229,6 +282,11 @@ def test_int4_kernel_rejects_wrong_dtypes_and_shapes():
         torch.ops.longattn_cpu.int4_gemv(torch.randn(1, 40), codes, d, m)
     with pytest.raises(RuntimeError, match="shapes"):
         torch.ops.longattn_cpu.int4_gemv(torch.randn(1, 96), codes, d, m)
+    codes, hbits, d, m = quantize_int5(torch.randn(4, 64))
+    with pytest.raises(RuntimeError, match="hbits"):
+        torch.ops.longattn_cpu.int5_gemv(torch.randn(1, 64), codes, hbits.to(torch.int8), d, m)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.longattn_cpu.int5_gemv(torch.randn(1, 64).double(), codes, hbits, d, m)
 
 
 @pytest.mark.parametrize("weights", FORMATS)
@@ -238,29 +296,40 @@ def test_each_format_builds_what_it_claims(weights):
     if weights == "int8":
         assert lin.weight is None and lin.qweight.dtype == torch.int8
         assert m._tied_head.qweight is m.model.embed_tokens.table.qweight
-    elif weights == "int4":
+    elif weights in ("int4", "int5"):
         assert lin.weight is None and lin.qweight is None and lin.codes.dtype == torch.uint8
         assert lin.codes.shape == (lin.steps.shape[0], lin.steps.shape[1] * INT4_GROUP // 2)
         assert m._tied_head.codes is m.model.embed_tokens.table.codes
+        assert (lin.hbits is not None) == (weights == "int5")
     else:
         assert lin.weight.dtype == {"f32": torch.float32, "bf16": torch.bfloat16}[weights]
     assert m.weights == weights
 
 
-def test_int4_keeps_the_named_matrices_in_int8():
+def test_a_recipe_gives_each_named_kind_its_format():
     from longattn.checkpoint import load_checkpoint
     from conftest import tiny_dir
-    from longattn.models.weights import parse_recipe
-    assert parse_recipe("int4+int8:qkv,embed") == ("int4", ("qkv", "embed"))
+    from longattn.models.weights import parse_recipe, recipe_name
+    assert parse_recipe("int4+int8:qkv,embed") == ("int4", (("qkv", "int8"), ("embed", "int8")))
     assert parse_recipe("q8") == ("int8", ())
-    with pytest.raises(LongattnError, match="only int4"):
-        parse_recipe("int8+int8:qkv")
+    spec = "int5+int8:qkv,lm_head+int4:gate_up"
+    assert parse_recipe(spec) == ("int5", (("qkv", "int8"), ("lm_head", "int8"), ("gate_up", "int4")))
+    assert recipe_name(*parse_recipe(spec)) == spec and recipe_name("int4", ("qkv",)) == "int4+int8:qkv"
+    for bad in ("f32+int8:qkv", "int4+bf16:qkv", "int4+int8", "int4+int8:", "int4+int9:qkv"):
+        with pytest.raises(LongattnError):
+            parse_recipe(bad)
     ck = load_checkpoint(tiny_dir("qwen2"), with_tokenizer=False)
-    m = build_model(ck.config, ck.state_dict, weights="int4", keep_int8=("qkv", "embed"))
+    m = build_model(ck.config, ck.state_dict, weights="int4", kinds=(("qkv", "int8"), ("embed", "int8")))
     layer = m.model.layers[0]
     assert layer.self_attn.qkv.qweight is not None and layer.self_attn.qkv.codes is None
     assert layer.mlp.gate_up.codes is not None and layer.self_attn.o_proj.codes is not None
     assert m.model.embed_tokens.table.qweight is not None and m._tied_head is m.model.embed_tokens.table
+    assert m.weights == "int4+int8:qkv,embed"
+    m = build_model(ck.config, ck.state_dict, weights="int5", kinds=(("gate_up", "int4"), ("embed", "int8")))
+    layer = m.model.layers[0]
+    assert layer.self_attn.qkv.hbits is not None and layer.mlp.gate_up.hbits is None
+    assert layer.mlp.gate_up.codes is not None and m.model.embed_tokens.table.qweight is not None
+    assert m.weights == "int5+int8:embed+int4:gate_up"
 
 
 @pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
@@ -284,7 +353,7 @@ def test_all_paths_agree_in_each_format(monkeypatch, weights, family, window, si
     assert_paths_agree(m, m64, pol)
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("weights", ["int8", "int4", "int5"])
 def test_quantized_streams_batched_equal_each_alone(monkeypatch, weights):
     monkeypatch.setattr(linear, "WIDEN_ROWS", 1 << 30)
     m, m64 = tiny("llama", weights)

@@ -55,8 +55,10 @@ def test_aot_step_agrees_with_reference_and_reads_the_weights_it_is_given(cache)
     assert max_err(got, want) <= tol and max_err(got, ref) > tol  # other weights, not m's
 
 
-# routed experts and learned sinks; softcaps; int4 groups (the default format of Q4 files)
-@pytest.mark.parametrize("family, weights", [("gpt_oss", "int8"), ("gemma2", "int8"), ("llama", "int4")])
+# routed experts and learned sinks; softcaps; int4 and int5 groups (the default formats of Q4
+# and Q5 files)
+@pytest.mark.parametrize("family, weights", [("gpt_oss", "int8"), ("gemma2", "int8"), ("llama", "int4"),
+                                             ("qwen2", "int5")])
 def test_aot_step_agrees_with_reference_on_other_families(cache, family, weights):
     m, m64 = tiny_formats(family, weights)
     pol = AttentionPolicy.from_config(m.config)

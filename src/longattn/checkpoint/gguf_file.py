@@ -335,27 +335,31 @@ def load_gguf(path: str | os.PathLike, progress=None) -> tuple[ModelConfig, dict
     return cfg, {k: weights[k] for k in (progress(names, total=len(names)) if progress else names)}
 
 
-# GGUF block formats whose values int4 (models.weights: groups of 32, ``d * u + m``, float16 d
-# and m) holds exactly: Q4_1 is that layout byte for byte, Q4_0 is ``d * (u - 8)``.
-INT4_EXACT_TYPES = {"Q4_0": 18, "Q4_1": 20}  # bytes per block of 32
+# GGUF block formats whose values int4 or int5 (models.weights: groups of 32, ``d * u + m``,
+# float16 d and m) hold exactly, with their bytes per block of 32: Q4_1 is int4's layout byte for
+# byte and Q4_0 is ``d * (u - 8)``; Q5_1 is int5's and Q5_0 is ``d * (u - 16)``.
+STORED_GROUP_TYPES = {"Q4_0": ("int4", 18), "Q4_1": ("int4", 20), "Q5_0": ("int5", 22), "Q5_1": ("int5", 24)}
 
 
-def read_int4_blocks(path: str | os.PathLike) -> dict:
-    """The GGUF's 4-bit matrices as int4 parts, read as stored (nothing dequantized).
+def read_stored_groups(path: str | os.PathLike) -> dict:
+    """The GGUF's 4- and 5-bit matrices as int4 or int5 parts, read as stored (nothing
+    dequantized).
 
     Returns:
-        HF tensor name -> (codes ``[N, K/2]`` uint8, d ``[N, K/32]`` float16, m ``[N, K/32]``
-        float16) for every Q4_0 and Q4_1 matrix: ``dequantize_int4(codes, d, m)`` equals the
-        float32 weight ``load_gguf`` gives, bit for bit (llama's Q/K rows unpermuted alike).
-        Phi-3's fused matrices, split after loading, are left out (they are quantized instead).
+        HF tensor name -> ("int4", (codes ``[N, K/2]`` uint8, d, m ``[N, K/32]`` float16)) for
+        every Q4_0 and Q4_1 matrix, ("int5", (codes, hbits ``[N, K/8]`` uint8, d, m)) for every
+        Q5_0 and Q5_1 matrix: ``dequantize_int4(*parts)`` / ``dequantize_int5(*parts)`` equals
+        the float32 weight ``load_gguf`` gives, bit for bit (llama's Q/K rows unpermuted
+        alike). Phi-3's fused matrices, split after loading, are left out (they are quantized
+        instead), and so is a matrix whose offset ``-8 d`` or ``-16 d`` overflows float16.
     """
     path = Path(path)
     reader = _open(path)
     cfg = read_gguf_config(reader, path)
     out = {}
     for t in reader.tensors:
-        size = INT4_EXACT_TYPES.get(t.tensor_type.name)
-        if size is None or len(t.shape) != 2:
+        fmt, size = STORED_GROUP_TYPES.get(t.tensor_type.name, (None, 0))
+        if fmt is None or len(t.shape) != 2:
             continue
         key, heads = _hf_name(t.name, cfg, path)
         if key is None or (cfg.family == "phi3" and key.endswith(("qkv_proj.weight", "gate_up_proj.weight"))):
@@ -363,15 +367,22 @@ def read_int4_blocks(path: str | os.PathLike) -> dict:
         raw = np.asarray(t.data, dtype=np.uint8)
         N = raw.shape[0]
         blocks = raw.reshape(N, -1, size)
-        d = torch.from_numpy(np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0])
-        if size == 20:  # Q4_1: d, m, 16 bytes of nibbles
-            m = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0])
-        else:  # Q4_0: d, 16 bytes; -8 d is exact in float16 unless it overflows
-            m = d * -8
+
+        def half(at: int) -> torch.Tensor:  # the float16 at byte ``at`` of every block
+            return torch.from_numpy(np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0])
+
+        d = half(0)
+        if size in (20, 24):  # Q4_1, Q5_1: d, m, ...
+            m = half(2)
+        else:  # Q4_0, Q5_0: d, ...; the offset -8 d or -16 d is exact in float16 unless it overflows
+            m = d * (-8 if fmt == "int4" else -16)
             if not bool(torch.isfinite(m).all()):
                 continue
         codes = torch.from_numpy(np.ascontiguousarray(blocks[..., size - 16:]).reshape(N, -1))
+        parts = [codes, d, m]
+        if fmt == "int5":  # the 4 bytes of fifth bits sit just before the 16 of codes
+            parts.insert(1, torch.from_numpy(np.ascontiguousarray(blocks[..., size - 20:size - 16]).reshape(N, -1)))
         if heads:
-            codes, d, m = (_unpermute_qk(x, heads) for x in (codes, d, m))
-        out[key] = (codes.contiguous(), d.contiguous(), m.contiguous())
+            parts = [_unpermute_qk(x, heads) for x in parts]
+        out[key] = (fmt, tuple(x.contiguous() for x in parts))
     return out

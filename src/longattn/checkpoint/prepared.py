@@ -1,8 +1,8 @@
 """Prepared weights: a quantized model's tensors written once to the cache, memory-mapped after.
 
-The first run with a weight recipe (``auto``, int8, int4, bf16) reads the float32 weights
+The first run with a weight recipe (``auto``, int8, int4, int5, bf16) reads the float32 weights
 (a GGUF's tensor by tensor: one float32 tensor is held at a time, not the model's), builds the
-quantized model (int4 takes a GGUF's own 4-bit groups where it stores them) and
+quantized model (int4 and int5 take a GGUF's own 4- and 5-bit groups where it stores them) and
 writes its state to ``$LONGATTN_CACHE/prepared/<key>/model.pt``, with the recipe it was built
 with in ``recipe.json`` (what ``auto`` resolved to); every
 later run maps that file and builds the model around it (models.prepared): no float32 copy,
@@ -10,7 +10,7 @@ no quantization, and the pages are the page cache's, shared by every process usi
 The key hashes the float32 weights' content key (the source's digest and the converter
 version), the weight recipe and the layout version, so a changed source file or another
 format gets its own entry. The layout does not depend on the CPU (the kernels read the plain
-int8 rows and int4 groups), so one entry serves every machine sharing the cache.
+int8 rows and the groups), so one entry serves every machine sharing the cache.
 
 Entries are written like conversions (paths.atomic_dir, with a checksum written last): a
 killed first run leaves nothing in place, and a damaged entry is rebuilt with a warning.
@@ -29,7 +29,7 @@ from .digest import content_digest, remember_digest
 from .load import CHECKSUM, LoadedCheckpoint, discard_entry, entry_intact
 from .paths import atomic_dir, cache_root
 
-PREPARED_VERSION = "2"  # bump when the saved layout (module names, packing) or its source changes
+PREPARED_VERSION = "3"  # bump when the saved layout (module names, packing), its source or auto's rule changes
 MODEL_FILE = "model.pt"
 
 
@@ -92,12 +92,13 @@ def _progress(weights: Mapping, desc: str, progress: bool) -> tuple:
     return _Counted(weights, bar), done
 
 
-def _int4_blocks(ck: LoadedCheckpoint) -> dict:
-    """The int4 parts a GGUF source stores (gguf_file.read_int4_blocks); none for HF dirs."""
+def _stored_groups(ck: LoadedCheckpoint) -> dict:
+    """The int4 and int5 groups a GGUF source stores (gguf_file.read_stored_groups); none for
+    HF dirs."""
     if ck.source.is_dir():
         return {}
-    from .gguf_file import read_int4_blocks
-    return read_int4_blocks(ck.source)
+    from .gguf_file import read_stored_groups
+    return read_stored_groups(ck.source)
 
 
 def _matrices(weights: Mapping) -> list:
@@ -108,17 +109,18 @@ def _matrices(weights: Mapping) -> list:
 
 
 def resolve_recipe(ck: LoadedCheckpoint, recipe: str, weights: Mapping | None = None) -> tuple:
-    """``(fmt, keep_int8, int4_blocks)`` to build ``recipe`` from: ``auto`` becomes its
-    concrete recipe for this checkpoint (models.weights.auto_recipe); int4 takes the
-    checkpoint's own 4-bit groups where it stores them. ``weights``: ``ck.weights()`` where
-    the caller has it."""
-    from ..models.weights import AUTO, auto_recipe, parse_recipe
-    fmt, keep = parse_recipe(recipe)
-    blocks = _int4_blocks(ck) if fmt in (AUTO, "int4") else {}
+    """``(fmt, kinds, stored)`` to build ``recipe`` from (build_model's arguments): ``auto``
+    becomes its concrete recipe for this checkpoint (models.weights.auto_recipe); int4 and
+    int5 take the checkpoint's own groups where it stores them. ``weights``: ``ck.weights()``
+    where the caller has it."""
+    from ..models.weights import AUTO, QUANTIZED, auto_recipe, parse_recipe
+    fmt, kinds = parse_recipe(recipe)
+    grouped = {fmt, *(f for _, f in kinds)} & {AUTO, "int4", "int5"}
+    stored = _stored_groups(ck) if grouped else {}
     if fmt == AUTO:
         matrices = _matrices(ck.weights() if weights is None else weights)
-        fmt, keep = parse_recipe(auto_recipe(matrices, blocks))
-    return fmt, keep, (blocks if fmt == "int4" else {})
+        fmt, kinds = parse_recipe(auto_recipe(matrices, {k: f for k, (f, _) in stored.items()}))
+    return fmt, kinds, (stored if fmt in QUANTIZED else {})
 
 
 def prepared_model(ck: LoadedCheckpoint, recipe: str, progress: bool = True):
@@ -134,17 +136,17 @@ def prepared_model(ck: LoadedCheckpoint, recipe: str, progress: bool = True):
     from ..models import build_model
     from ..models.prepared import PREPARED_FORMATS, from_prepared
     from ..models.weights import AUTO, parse_recipe, recipe_name
-    fmt, keep = parse_recipe(recipe)
+    fmt, kinds = parse_recipe(recipe)
     if (fmt not in PREPARED_FORMATS and fmt != AUTO) or ck.weights_key is None:
         weights = ck.weights()
-        fmt, keep, blocks = resolve_recipe(ck, recipe, weights)
+        fmt, kinds, stored = resolve_recipe(ck, recipe, weights)
         # a bar while the source is read (not for weights in memory already)
         weights, done = _progress(weights, f"reading {ck.name} in {fmt}", progress and not isinstance(weights, dict))
-        model = build_model(ck.config, weights, weights=fmt, keep_int8=keep, int4_blocks=blocks)
+        model = build_model(ck.config, weights, weights=fmt, kinds=kinds, stored=stored)
         done(None)
         ck.commit_conversion()
         return model
-    canonical = AUTO if fmt == AUTO else recipe_name(fmt, keep)
+    canonical = AUTO if fmt == AUTO else recipe_name(fmt, kinds)
     entry = cache_root() / "prepared" / prepared_key(ck.weights_key, canonical)
     if _complete(entry) and not entry_intact(entry, _files):
         warnings.warn(f"prepared weights {entry} are damaged (checksum mismatch); preparing again",
@@ -166,10 +168,10 @@ def prepared_model(ck: LoadedCheckpoint, recipe: str, progress: bool = True):
         return model
     # read tensor by tensor (a GGUF: each dequantized, quantized and dropped before the next)
     weights = ck.weights()
-    fmt, keep, blocks = resolve_recipe(ck, canonical, weights)
+    fmt, kinds, stored = resolve_recipe(ck, canonical, weights)
     weights, done = _progress(weights, f"preparing {canonical} weights of {ck.name} (once)", progress)
-    model = build_model(ck.config, weights, weights=fmt, keep_int8=keep, int4_blocks=blocks)
-    del weights, blocks
+    model = build_model(ck.config, weights, weights=fmt, kinds=kinds, stored=stored)
+    del weights, stored
     ck.state_dict = None  # a float32 copy read before is not needed any more
     done("write")
     with atomic_dir(entry, complete=_complete) as tmp:

@@ -12,8 +12,9 @@ from ..errors import LongattnError
 
 
 # The fastest weights whose quality cost is negligible (models.weights.auto_recipe): a file's
-# own 4-bit groups as int4 (its weights exactly), int8 elsewhere (<= 0.004 bits/token on the
-# bundled models; int4 made from other formats costs 0.1-0.37: docs/benchmarks.md).
+# own 4- and 5-bit groups as int4 and int5 (its weights exactly), int8 elsewhere (<= 0.004
+# bits/token on the bundled models; int4 made from other formats costs 0.1-0.37:
+# docs/benchmarks.md).
 DEFAULT_WEIGHTS = "auto"
 
 
@@ -33,13 +34,14 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str = "smollm2-135
                         "streams share one pool, so do not start one process per stream")
     p.add_argument("--weights", default=DEFAULT_WEIGHTS,
                    help="weight format, prepared once and memory-mapped from the cache after: auto "
-                        "(the default: int4 for the matrices a GGUF stores as Q4_0/Q4_1 groups, read "
-                        "as they are, int8 for the rest: <= 0.004 bits/token against the checkpoint's "
-                        "weights), f32 (the reference), bf16, int8 "
-                        "(per output row) or int4 (groups of 32; decode "
+                        "(the default: int4 and int5 for the matrices a GGUF stores as Q4_0/Q4_1 and "
+                        "Q5_0/Q5_1 groups, read as they are, int8 for the rest: <= 0.004 bits/token "
+                        "against the checkpoint's weights), f32 (the reference), bf16, int8 "
+                        "(per output row), int4 or int5 (groups of 32; decode "
                         "quantizes activations to int8 per block of 32); int4+int8:embed keeps the "
                         "matrices whose module name contains 'embed' (the embedding table and tied "
-                        "head) in int8 (fragments separated by commas)")
+                        "head) in int8 (fragments separated by commas; int5+int8:qkv+int4:gate_up "
+                        "names several formats)")
     p.add_argument("--reference", action="store_true",
                    help="run PyTorch's ops instead of longattn's native kernels everywhere (the reference "
                         "the kernels are tested against; the same as LONGATTN_NATIVE=off)")

@@ -19,10 +19,11 @@ from ..cache.base import KVView
 from ..config import ModelConfig
 from ..errors import LongattnError
 from ..ops.attention import MaskMemo, WindowOp
-from ..ops.linear import (INT4_GROUP, dequantize_int4, dequantize_int8, float_linear, gemv_kernel, int4_matmul,
-                          int8_matmul, prefill_sized, widened_linear)
+from ..ops.linear import (INT4_GROUP, dequantize_int4, dequantize_int5, dequantize_int8, float_linear, gemv_kernel,
+                          int4_matmul, int5_matmul, int8_matmul, prefill_sized, widened_linear)
 from .rope import SEQ_DEPENDENT, apply_rope, inv_freq, rope_cos_sin, rope_frequencies
-from .weights import int4_applies, parse_weights, quantize_int4, quantize_int8, recipe_name
+from .weights import (QUANTIZED, int4_applies, int4_as_int5, kind_format, parse_weights, quantize_int4, quantize_int5,
+                      quantize_int8, recipe_name)
 
 
 class RMSNorm(nn.Module):
@@ -41,39 +42,53 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """``y = x W^T + b`` with W in float32, bf16, int8 (``to_int8``: per-row scales) or int4
-    (``to_int4``: groups of 32 with a step and an offset each; see models.weights)."""
+    """``y = x W^T + b`` with W in float32, bf16, int8 (``to_int8``: per-row scales), int4 or
+    int5 (``to_int4``, ``to_int5``: groups of 32 with a step and an offset each; see
+    models.weights)."""
 
     def __init__(self, n_in: int, n_out: int, bias: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_out, n_in), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(n_out), requires_grad=False) if bias else None
         self.register_buffer("qweight", None)  # int8 [N, K] once to_int8() ran (weight is None)
-        self.register_buffer("codes", None)  # uint8 [N, K/2] once to_int4() ran (weight is None)
-        # (codes, d, m): the int4 parts the checkpoint stores for ``weight`` (build_model's
-        # int4_blocks), taken by to_int4 instead of quantizing the float32 copy again
-        self.stored_int4 = None
+        self.register_buffer("codes", None)  # uint8 [N, K/2] once to_int4/5() ran (weight is None)
+        self.register_buffer("hbits", None)  # uint8 [N, K/8] once to_int5() ran
+        # ("int4" or "int5", parts): the groups the checkpoint stores for ``weight`` (build_model's
+        # ``stored``), taken by to_int4/to_int5 instead of quantizing the float32 copy again
+        self.stored = None
 
     def to_int4(self, structure_only: bool = False) -> None:
         """4-bit groups where the row length allows it (a multiple of 32), int8 otherwise.
         ``structure_only``: empty buffers of the right shapes (models.prepared fills them)."""
+        self._to_groups(4, structure_only)
+
+    def to_int5(self, structure_only: bool = False) -> None:
+        """5-bit groups where the row length allows it, int8 otherwise (as to_int4)."""
+        self._to_groups(5, structure_only)
+
+    def _to_groups(self, bits: int, structure_only: bool) -> None:
         if not int4_applies(self.weight):
             return self.to_int8(structure_only)
         N, K = self.weight.shape
         if structure_only:
             half = torch.float16
-            parts = (torch.empty(N, K // 2, dtype=torch.uint8), torch.empty(N, K // INT4_GROUP, dtype=half),
-                     torch.empty(N, K // INT4_GROUP, dtype=half))
-        elif self.stored_int4 is not None:
-            parts = self.stored_int4
+            fifth = (torch.empty(N, K // 8, dtype=torch.uint8),) if bits == 5 else ()
+            parts = (torch.empty(N, K // 2, dtype=torch.uint8), *fifth,
+                     torch.empty(N, K // INT4_GROUP, dtype=half), torch.empty(N, K // INT4_GROUP, dtype=half))
+        elif self.stored is not None and (self.stored[0], bits) in (("int4", 4), ("int5", 5)):
+            parts = self.stored[1]
+        elif self.stored is not None and (self.stored[0], bits) == ("int4", 5):
+            parts = int4_as_int5(*self.stored[1])
         else:
-            parts = quantize_int4(self.weight.data)
-        codes, steps, offsets = parts
-        self.weight = self.stored_int4 = None
+            parts = (quantize_int4 if bits == 4 else quantize_int5)(self.weight.data)
+        codes, *fifth, steps, offsets = parts
+        self.weight = self.stored = None
         self.codes = codes
+        if fifth:
+            self.hbits = fifth[0]
         self.register_buffer("steps", steps)  # float16 [N, K/32]
         self.register_buffer("offsets", offsets)  # float16 [N, K/32]
-        self.kernel = gemv_kernel("int4")  # see to_int8
+        self.kernel = gemv_kernel(f"int{bits}")  # see to_int8
 
     def to_int8(self, structure_only: bool = False) -> None:
         """Per-row int8; ``structure_only`` as in to_int4."""
@@ -84,7 +99,7 @@ class Linear(nn.Module):
         else:
             q, scales = quantize_int8(self.weight.data)
             scales_bf16 = scales.to(torch.bfloat16)
-        self.weight = self.stored_int4 = None
+        self.weight = self.stored = None
         self.qweight = q
         self.register_buffer("scales", scales)
         self.register_buffer("scales_bf16", scales_bf16)
@@ -92,12 +107,17 @@ class Linear(nn.Module):
         # to torch.compile, and a first-call build must not happen inside a trace.
         self.kernel = gemv_kernel("int8")
 
+    def group_parts(self, rows=slice(None)) -> tuple:
+        """The int4 (codes, steps, offsets) or int5 (codes, hbits, steps, offsets) rows ``rows``."""
+        fifth = () if self.hbits is None else (self.hbits[rows],)
+        return self.codes[rows], *fifth, self.steps[rows], self.offsets[rows]
+
     def effective_weight(self, dtype=torch.float32, rows: slice = slice(None)) -> torch.Tensor:
         """``[N, K]`` (or the ``rows`` of it): the matrix this layer multiplies by, in ``dtype``."""
         if self.qweight is not None:
             return dequantize_int8(self.qweight[rows], self.scales[rows], dtype)
         if self.codes is not None:
-            return dequantize_int4(self.codes[rows], self.steps[rows], self.offsets[rows], dtype)
+            return (dequantize_int4 if self.hbits is None else dequantize_int5)(*self.group_parts(rows), dtype)
         return self.weight[rows].to(dtype)
 
     def forward(self, x):
@@ -106,7 +126,9 @@ class Linear(nn.Module):
         if prefill_sized(x):  # dequantize blocks, float GEMM on float activations
             n_out = (self.codes if self.codes is not None else self.qweight).shape[0]
             return widened_linear(x, n_out, lambda i, j: self.effective_weight(x.dtype, slice(i, j)), self.bias)
-        if self.codes is not None:
+        if self.hbits is not None:
+            y = int5_matmul(x, self.codes, self.hbits, self.steps, self.offsets, self.kernel)
+        elif self.codes is not None:
             y = int4_matmul(x, self.codes, self.steps, self.offsets, self.kernel)
         else:
             y = int8_matmul(x, self.qweight, self.scales, self.scales_bf16, self.kernel)
@@ -114,7 +136,7 @@ class Linear(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """Embedding lookup from an int8 or int4 Linear's rows (tied head and table share one copy)."""
+    """Embedding lookup from an int8, int4 or int5 Linear's rows (tied head and table share one copy)."""
 
     def __init__(self, table: Linear):
         super().__init__()
@@ -124,8 +146,7 @@ class QuantEmbedding(nn.Module):
         """``ids [B, T]`` -> ``[B, T, hidden]`` float32."""
         t = self.table
         if t.codes is not None:
-            flat = ids.reshape(-1)
-            rows = dequantize_int4(t.codes[flat], t.steps[flat], t.offsets[flat])
+            rows = t.effective_weight(torch.float32, ids.reshape(-1))
             return rows.reshape(*ids.shape, rows.shape[-1])
         return t.qweight[ids].float() * t.scales[ids][..., None]
 
@@ -139,8 +160,10 @@ def _fused(parts: list, structure_only: bool) -> "Linear":
         out.weight.data = torch.cat([p.weight.data for p in parts])
         if bias:
             out.bias.data = torch.cat([p.bias.data for p in parts])
-        if all(p.stored_int4 is not None for p in parts):  # int4 groups run along rows: rows concatenate
-            out.stored_int4 = tuple(torch.cat(x) for x in zip(*(p.stored_int4 for p in parts)))
+        if all(p.stored is not None for p in parts):  # groups run along rows: rows concatenate
+            fmt = "int4" if all(p.stored[0] == "int4" for p in parts) else "int5"
+            stored = [p.stored[1] if p.stored[0] == fmt else int4_as_int5(*p.stored[1]) for p in parts]
+            out.stored = (fmt, tuple(torch.cat(x) for x in zip(*stored)))
     return out
 
 
@@ -413,18 +436,19 @@ class Transformer(nn.Module):
 
 
 def build_model(cfg: ModelConfig, state_dict: Mapping, dtype: torch.dtype = torch.float32,
-                fuse: bool = True, weights: str | None = None, keep_int8: tuple = (),
-                int4_blocks: dict | None = None) -> Transformer:
+                fuse: bool = True, weights: str | None = None, kinds: tuple = (),
+                stored: dict | None = None) -> Transformer:
     """Instantiate and load weights (strict: a missing or extra tensor is an error).
 
     ``dtype`` applies to the big matrices (projections, embeddings); norms stay float32.
-    ``weights`` ("f32", "bf16", "int8", "int4"; see models.weights) overrides ``dtype`` when
-    given; int8 quantizes every matrix per output row, the embedding table included, int4 in
-    groups of 32 (int4 decode also rounds activations to int8 per block of 32). ``keep_int8``
-    (int4 only): module-name fragments whose matrices stay int8, e.g. ``("qkv",)`` for the
-    attention projections (``"embed"`` for the embedding table and tied head). ``int4_blocks``
-    (int4 only): tensor name -> the (codes, d, m) the checkpoint stores for it
-    (checkpoint.gguf_file.read_int4_blocks), used as they are instead of quantizing again.
+    ``weights`` ("f32", "bf16", "int8", "int4", "int5"; see models.weights) overrides ``dtype``
+    when given; int8 quantizes every matrix per output row, the embedding table included, int4
+    and int5 in groups of 32 (their decode also rounds activations to int8 per block of 32).
+    ``kinds`` (quantized formats only): (module-name fragment, format) pairs for matrices that
+    take another quantized format, e.g. ``(("qkv", "int8"),)`` for the attention projections
+    (``"embed"`` names the embedding table and tied head); a plain fragment stands for int8.
+    ``stored``: tensor name -> ("int4" or "int5", parts) the checkpoint stores for it
+    (checkpoint.gguf_file.read_stored_groups), used as they are instead of quantizing again.
     ``fuse`` concatenates q/k/v and gate/up projections after loading (fewer, larger
     matmuls: the decode step is dominated by per-call overhead and weight reads).
     """
@@ -432,8 +456,8 @@ def build_model(cfg: ModelConfig, state_dict: Mapping, dtype: torch.dtype = torc
         fmt = "bf16" if dtype == torch.bfloat16 else "f32"  # float64: an f32-format reference
     else:
         fmt = parse_weights(weights)
-        dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32,
-                 "int4": torch.float32}[fmt]
+        dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
+    kinds = tuple(kinds) if fmt in QUANTIZED else ()
     with torch.device("meta"):
         m = Transformer(cfg)
     _check_names(cfg, m, set(state_dict))
@@ -446,24 +470,23 @@ def build_model(cfg: ModelConfig, state_dict: Mapping, dtype: torch.dtype = torc
     # float32 weights at a time, not the model's.
     loaded: set = set()
     for i, block in enumerate(m.model.layers):
-        loaded |= _load_module(block, f"model.layers.{i}", state_dict, dtype, fmt, int4_blocks)
+        loaded |= _load_module(block, f"model.layers.{i}", state_dict, dtype, stored)
         if fuse:
             block.self_attn.fuse()
             block.mlp.fuse()
-        if fmt in ("int8", "int4"):
-            _quantize_linears(block, f"model.layers.{i}", fmt, tuple(keep_int8))
-    loaded |= _load_module(m.model.norm, "model.norm", state_dict, dtype, fmt, int4_blocks)
+        if fmt in QUANTIZED:
+            _quantize_linears(block, f"model.layers.{i}", fmt, kinds)
+    loaded |= _load_module(m.model.norm, "model.norm", state_dict, dtype, stored)
     if m.lm_head is not None:
-        loaded |= _load_module(m.lm_head, "lm_head", state_dict, dtype, fmt, int4_blocks)
-        if fmt in ("int8", "int4"):
-            _quantize_linears(m.lm_head, "lm_head", fmt, tuple(keep_int8))
-    loaded |= _load_module(m.model.embed_tokens, "model.embed_tokens", state_dict, dtype, fmt, int4_blocks)
+        loaded |= _load_module(m.lm_head, "lm_head", state_dict, dtype, stored)
+        if fmt in QUANTIZED:
+            _quantize_linears(m.lm_head, "lm_head", fmt, kinds)
+    loaded |= _load_module(m.model.embed_tokens, "model.embed_tokens", state_dict, dtype, stored)
     if loaded != expected:  # a parameter outside the parts above would be left unset
         raise LongattnError(f"build_model left {sorted(expected - loaded)[:3]} unset")
-    if fmt in ("int8", "int4"):
-        _quantize_embedding(m, cfg, fmt, tuple(keep_int8),
-                            stored_embed=(int4_blocks or {}).get("model.embed_tokens.weight"))
-    m.weights = recipe_name(fmt, keep_int8)
+    if fmt in QUANTIZED:
+        _quantize_embedding(m, cfg, fmt, kinds, stored_embed=(stored or {}).get("model.embed_tokens.weight"))
+    m.weights = recipe_name(fmt, kinds)
     m.eval()
     return m
 
@@ -488,11 +511,10 @@ def check_weight_names(cfg: ModelConfig, shapes: dict) -> None:
             raise LongattnError(f"tensor {k} has shape {tuple(shapes[k])}, config expects {tuple(p.shape)}")
 
 
-def _load_module(module: nn.Module, prefix: str, state_dict, dtype: torch.dtype, fmt: str,
-                 int4_blocks: dict | None) -> set:
+def _load_module(module: nn.Module, prefix: str, state_dict, dtype: torch.dtype, stored: dict | None) -> set:
     """Set ``module``'s parameters from ``state_dict[prefix.<name>]`` (shapes checked):
-    matrices in ``dtype``, vectors in float32; with int4, each Linear takes the checkpoint's
-    own 4-bit parts where ``int4_blocks`` has them. Returns the names set."""
+    matrices in ``dtype``, vectors in float32; each Linear takes the checkpoint's own groups
+    where ``stored`` has them (used if it becomes int4 or int5). Returns the names set."""
     names = set()
     for k, p in module.named_parameters(prefix=prefix):
         names.add(k)
@@ -501,10 +523,10 @@ def _load_module(module: nn.Module, prefix: str, state_dict, dtype: torch.dtype,
             raise LongattnError(f"tensor {k} has shape {tuple(t.shape)}, config expects {tuple(p.shape)}")
         big = t.dim() == 2 or dtype == torch.float64
         p.data = t.to(dtype if big else torch.float32).contiguous()
-    if fmt == "int4" and int4_blocks:
+    if stored:
         for name, mod in module.named_modules(prefix=prefix):
             if isinstance(mod, Linear):
-                mod.stored_int4 = int4_blocks.get(f"{name}.weight")
+                mod.stored = stored.get(f"{name}.weight")
     return names
 
 
@@ -515,36 +537,36 @@ def set_rope_tables(m: Transformer, cfg: ModelConfig) -> None:
                                             cfg.layer_rope_scaling[layer], cfg.max_context)
 
 
-def _quantize(m: Transformer, cfg: ModelConfig, fmt: str, keep_int8: tuple = (),
+def _quantize(m: Transformer, cfg: ModelConfig, fmt: str, kinds: tuple = (),
               structure_only: bool = False, stored_embed: tuple | None = None) -> None:
-    """Every Linear and the embedding table to int8 or int4 (in place, after fusing); with
-    int4, modules whose name contains a ``keep_int8`` fragment go to int8. ``structure_only``:
-    empty buffers of the quantized shapes, nothing computed (models.prepared). ``stored_embed``:
-    the checkpoint's own int4 parts of the embedding table (build_model's int4_blocks)."""
-    _quantize_linears(m, "", fmt, keep_int8, structure_only)
-    _quantize_embedding(m, cfg, fmt, keep_int8, structure_only, stored_embed)
+    """Every Linear and the embedding table to the quantized format ``fmt`` (in place, after
+    fusing), modules whose name contains a ``kinds`` fragment to that pair's format.
+    ``structure_only``: empty buffers of the quantized shapes, nothing computed
+    (models.prepared). ``stored_embed``: the checkpoint's own groups of the embedding table
+    (build_model's ``stored``)."""
+    _quantize_linears(m, "", fmt, kinds, structure_only)
+    _quantize_embedding(m, cfg, fmt, kinds, structure_only, stored_embed)
 
 
-def _quantize_one(mod: Linear, name: str, fmt: str, keep_int8: tuple, structure_only: bool) -> None:
-    int8 = fmt == "int8" or any(frag in name for frag in keep_int8)
-    mod.to_int8(structure_only) if int8 else mod.to_int4(structure_only)
+def _quantize_one(mod: Linear, name: str, fmt: str, kinds: tuple, structure_only: bool) -> None:
+    {"int8": mod.to_int8, "int4": mod.to_int4, "int5": mod.to_int5}[kind_format(name, fmt, kinds)](structure_only)
 
 
-def _quantize_linears(module: nn.Module, prefix: str, fmt: str, keep_int8: tuple,
+def _quantize_linears(module: nn.Module, prefix: str, fmt: str, kinds: tuple,
                       structure_only: bool = False) -> None:
     """Every Linear in ``module`` (named ``prefix.<name>`` in the model) as in _quantize."""
     for name, mod in list(module.named_modules(prefix=prefix)):
         if isinstance(mod, Linear):
-            _quantize_one(mod, name, fmt, keep_int8, structure_only)
+            _quantize_one(mod, name, fmt, kinds, structure_only)
 
 
-def _quantize_embedding(m: Transformer, cfg: ModelConfig, fmt: str, keep_int8: tuple,
+def _quantize_embedding(m: Transformer, cfg: ModelConfig, fmt: str, kinds: tuple,
                         structure_only: bool = False, stored_embed: tuple | None = None) -> None:
     """The embedding table (and a tied head, which shares it) as in _quantize."""
     table = Linear(cfg.hidden_size, cfg.vocab_size, False)
     table.weight.data = m.model.embed_tokens.weight.data
-    table.stored_int4 = stored_embed
-    _quantize_one(table, "model.embed_tokens", fmt, keep_int8, structure_only)
+    table.stored = stored_embed
+    _quantize_one(table, "model.embed_tokens", fmt, kinds, structure_only)
     m.model.embed_tokens = QuantEmbedding(table)
     if m.lm_head is None:
         m._tied_head = table

@@ -1,18 +1,18 @@
 """The one place that picks a GEMV kernel for each weight format.
 
 Formats (``models.weights`` makes them): float32 and bf16 matrices, int8 rows with one float32
-scale each, int4 groups of 32 with a float16 step and offset. A matmul with WIDEN_ROWS rows or
+scale each, int4 and int5 groups of 32 with a float16 step and offset. A matmul with WIDEN_ROWS rows or
 more (prefill) widens the weight to the activations' dtype block by block and runs a float GEMM;
 a decode-sized one runs a kernel on the stored format:
 
 | format | kernel "avx2" (float32 activations, the native build) | fallback |
 |---|---|---|
 | int8 | ``csrc/int8_gemv.cpp``: rows widened exactly, float32 sums, batches in register tiles | ``aten._weight_int8pack_mm`` on bf16 activations |
-| int4 | ``csrc/int4_gemv.cpp``: activations rounded to int8 per block of 32, integer dots | the same arithmetic in PyTorch |
+| int4, int5 | ``csrc/group_gemv.cpp``: activations rounded to int8 per block of 32, integer dots | the same arithmetic in PyTorch |
 | bf16 | ``F.linear`` in bf16 (half the bytes read) | |
 
 ``gemv_kernel`` makes the choice once, when a layer is converted (a plain string is a constant
-to torch.compile, and a first-call build must not happen inside a trace). Both kernels have an
+to torch.compile, and a first-call build must not happen inside a trace). The kernels have an
 AVX2 and an AVX-512 form; ``isa`` picks one (``ops.native.isa_code``).
 """
 
@@ -81,6 +81,27 @@ def dequantize_int4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype
     return (u * d.double()[..., None] + m.double()[..., None]).reshape(N, -1).to(dtype)
 
 
+def unpack_fifth_bits(hbits: torch.Tensor) -> torch.Tensor:
+    """hbits ``[N, G*4]`` uint8 -> ``[N, G, 32]`` uint8 of 0s and 1s: bit k of each group's
+    little-endian 32-bit word (models.weights.pack_fifth_bits's inverse)."""
+    N = hbits.shape[0]
+    bits = (hbits[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1
+    return bits.reshape(N, -1, INT4_GROUP)
+
+
+def dequantize_int5(codes: torch.Tensor, hbits: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                    dtype=torch.float32) -> torch.Tensor:
+    """``codes [N, K/2]``, ``hbits [N, K/8]``, ``d, m [N, K/32]`` -> ``[N, K]`` in ``dtype``:
+    ``d * u + m`` with u the 5-bit code, rounded once (as dequantize_int4; the native kernel
+    for float32 where it is built)."""
+    if dtype == torch.float32 and native.available():
+        return torch.ops.longattn_cpu.int5_dequantize(codes, hbits, d, m)
+    N = codes.shape[0]
+    c = codes.reshape(N, -1, INT4_GROUP // 2)
+    u = (torch.cat([c & 15, c >> 4], dim=-1) | (unpack_fifth_bits(hbits) << 4)).double()
+    return (u * d.double()[..., None] + m.double()[..., None]).reshape(N, -1).to(dtype)
+
+
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     """What the int4 kernel multiplies by: ``x [..., K]`` rounded to int8 per block of 32 with one
     step ``max|x| / 127`` per block, returned dequantized in x's dtype (for float32 x these are
@@ -126,10 +147,23 @@ def int4_matmul(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.
     return y.reshape(*shape[:-1], codes.shape[0])
 
 
+def int5_matmul(x: torch.Tensor, codes: torch.Tensor, hbits: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                kernel: str = "torch", isa: str | None = None) -> torch.Tensor:
+    """``x [..., K]`` -> ``quantize_activations(x) @ dequantize_int5(codes, hbits, d, m)^T`` as
+    ``[..., N]``: int4_matmul for 5-bit codes (the same kernels and fallback)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if kernel == "avx2" and x.dtype == torch.float32:
+        y = torch.ops.longattn_cpu.int5_gemv(x2, codes, hbits, d, m, native.isa_code(isa))
+    else:
+        y = quantize_activations(x2) @ dequantize_int5(codes, hbits, d, m, x.dtype).T
+    return y.reshape(*shape[:-1], codes.shape[0])
+
+
 def gemv_kernel(fmt: str) -> str:
-    """The decode kernel a layer stored as ``fmt`` ("int8" or "int4") runs: "avx2" where the
-    native kernels are built (building them on the first call), else the format's fallback
-    ("aten" for int8, "torch" for int4)."""
+    """The decode kernel a layer stored as ``fmt`` ("int8", "int4" or "int5") runs: "avx2"
+    where the native kernels are built (building them on the first call), else the format's
+    fallback ("aten" for int8, "torch" for int4 and int5)."""
     if native.available():
         return "avx2"
     return "aten" if fmt == "int8" else "torch"

@@ -12,8 +12,8 @@ copied to another AVX2 machine loads the same library.
 Where it cannot be used (no AVX2, no compiler, or ``LONGATTN_NATIVE=off``) ``available()`` is
 False and every caller has a PyTorch path (see linear.py, attention.py).
 
-Ops (namespace ``longattn_cpu``): ``int8_gemv`` (csrc/int8_gemv.cpp), ``int4_gemv``
-(csrc/int4_gemv.cpp),
+Ops (namespace ``longattn_cpu``): ``int8_gemv`` (csrc/int8_gemv.cpp), ``int4_gemv``,
+``int5_gemv`` and their dequantizers (csrc/group_gemv.cpp),
 ``decode_attention`` (csrc/decode_attention.cpp) and ``scsa_decode`` (csrc/scsa_decode.cpp, the
 sparse decode call of longattn.sparse; eager only, so it needs no fake). The build targets
 AVX2; the AVX-512 functions are compiled for that target alone (``#pragma GCC target`` regions)
@@ -126,6 +126,14 @@ def _build() -> bool:
     def _(codes, d, m):
         return codes.new_empty(codes.shape[0], codes.shape[1] * 2, dtype=torch.float32)
 
+    @torch.library.register_fake("longattn_cpu::int5_gemv")
+    def _(x, codes, hbits, d, m, isa=-1):
+        return x.new_empty(x.shape[0], codes.shape[0])
+
+    @torch.library.register_fake("longattn_cpu::int5_dequantize")
+    def _(codes, hbits, d, m):
+        return codes.new_empty(codes.shape[0], codes.shape[1] * 2, dtype=torch.float32)
+
     @torch.library.register_fake("longattn_cpu::decode_attention")
     def _(q, k, v, k_pos, q_pos, k_new, v_new, window, sinks, scale, sink_logits=None, block_table=None,
           block_size=0, isa=-1):
@@ -145,15 +153,15 @@ ISAS = {None: -1, "auto": -1, "avx2": 0, "avx512": 1}
 
 def isa_code(isa: str | None = None) -> int:
     """The ``isa`` argument of the kernels with an AVX2 and an AVX-512 form (SCSA's opened-row
-    phase, the dense fused decode attention's row loops, the int8 and int4 GEMVs): None or
+    phase, the dense fused decode attention's row loops, the int8, int4 and int5 GEMVs): None or
     "auto" = -1 (each kernel's automatic choice), "avx2" = 0, "avx512" = 1 (the kernel raises
     RuntimeError on a CPU without AVX-512 F/BW/VL/DQ/VNNI).
 
-    Automatic: SCSA and the int4 GEMV take their AVX-512 forms where the CPU has them; the int8
+    Automatic: SCSA and the int4 and int5 GEMVs take their AVX-512 forms where the CPU has them; the int8
     GEMV for batches of two rows or more (one row is bound by memory, where the AVX2 form is as
     fast); the dense attention too, except on AMD CPUs, whose 512-bit units split each operation
     in two, so the AVX2 loops are faster there. SCSA's, the dense attention's and the int8 GEMV's
-    two forms give bit-identical outputs; the int4 GEMV's differ in the last bits (other float
+    two forms give bit-identical outputs; the int4 and int5 GEMVs' differ in the last bits (other float
     lanes), both within the bound the tests derive. Forcing a form is for tests and benchmarks."""
     if isa not in ISAS:
         raise ValueError(f"isa is one of {', '.join(k for k in ISAS if k)} or None, got {isa!r}")

@@ -1,10 +1,15 @@
-// Weight-only 4-bit matrix-vector product for decode steps on x86 CPUs with AVX2 + FMA + F16C.
+// Weight-only 4- and 5-bit matrix-vector products for decode steps on x86 CPUs with AVX2 + FMA +
+// F16C.
 //
-// Format (models/weights.py, quantize_int4): every weight row is cut into groups of 32 values;
-// a group stores a float16 step d and a float16 offset m, and each value as a 4-bit code
-// u in 0..15 standing for d * u + m. Byte j of a group's 16 bytes holds value j in its low
-// nibble and value j + 16 in its high nibble. That is 20 bytes per 32 weights (0.625 bytes a
-// weight against int8's ~1.0), and a decode step is almost entirely these weight reads.
+// Formats (models/weights.py, quantize_int4 and quantize_int5): every weight row is cut into
+// groups of 32 values; a group stores a float16 step d and a float16 offset m, and each value
+// as a code u standing for d * u + m: 4 bits (u in 0..15) for int4, 5 bits (0..31) for int5.
+// Byte j of a group's 16 code bytes holds the low 4 bits of value j in its low nibble and those
+// of value j + 16 in its high nibble. int5 adds 4 bytes per group (``hbits``): bit j of that
+// little-endian 32-bit word is bit 4 of value j, the layout of GGML's Q5_0 and Q5_1, whose
+// blocks are these values exactly. That is 20 bytes per 32 weights for int4 and 24 for int5
+// (0.625 and 0.75 bytes a weight against int8's ~1.0), and a decode step is almost entirely
+// these weight reads.
 //
 // Activations are quantized per block of 32 (the group's columns) to int8 with one float32
 // step dx = max|x| / 127 (xq = round-half-even(x / dx)), once per call; then per group
@@ -12,7 +17,7 @@
 //   y[r, n] += (d * dx) * sum_k u[n,k] * xq[r,k]  +  m * (dx * sum_k xq[r,k])
 //
 // where the first sum is an exact integer dot (vpmaddubsw: unsigned codes times signed
-// activations into int16 pairs, at most 2*15*127; vpmaddwd into int32) and the second is
+// activations into int16 pairs, at most 2*31*127; vpmaddwd into int32) and the second is
 // computed once per call. So the result is x_eff . W_eff in float32, with x_eff = xq * dx
 // (models/weights.py, int4_matmul, evaluates the same thing in PyTorch).
 // Why integer dots: widening each 4-bit code to float32 (the int8 kernel's way) is bound by the
@@ -20,6 +25,7 @@
 // smaller weight reads an advantage (least on small matrices, where per-call overheads weigh).
 // Where the CPU has AVX-512 VNNI, row_dot_512 (below) does the same integer dots four groups at
 // a time; cpu_features.h picks the form once per process.
+// Both formats share every loop: a template flag adds the fifth bit to each code as it is read.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -73,43 +79,60 @@ inline void quantize_block(const float* x, int8_t* q, float* step, float* sum) {
                       _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
 }
 
+// int5's fifth bits of group j (4 bytes at hb + 4 j) as 32 bytes, 0x10 where bit k of the word
+// is set, value k's byte in u's order: bits 0..15 in the low lane, 16..31 in the high lane.
+inline __m256i fifth_bits(const uint8_t* hb, int64_t j) {
+  uint32_t qh;
+  std::memcpy(&qh, hb + 4 * j, 4);
+  const __m256i spread = _mm256_shuffle_epi8(  // byte k <- byte k / 8 of the word
+      _mm256_set1_epi32(static_cast<int>(qh)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
 // Group j of a weight row against its 32 activations: 8 int32 partial dots, as float32
 // (exact: < 2^24). The group's 16 bytes go in both lanes (a load, no shuffle), the high lane
 // shifted right by 4 bits per 64-bit word: after masking, values 0..15 of the group sit in the
 // low lane and 16..31 in the high lane, x's order (one instruction fewer than unpacking in 128
-// bits).
-inline __m256 group_dots(const uint8_t* codes, const int8_t* xq, int64_t j) {
+// bits). kFive: hb holds the fifth bits (int5), added to each code.
+template <bool kFive>
+inline __m256 group_dots(const uint8_t* codes, const uint8_t* hb, const int8_t* xq, int64_t j) {
   const __m256i b =
       _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * (kGroup / 2))));
-  const __m256i u = _mm256_and_si256(_mm256_srlv_epi64(b, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
+  __m256i u = _mm256_and_si256(_mm256_srlv_epi64(b, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
+  if constexpr (kFive) u = _mm256_or_si256(u, fifth_bits(hb, j));
   const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + j * kGroup));
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), _mm256_set1_epi16(1)));
 }
 
 // One weight row against one activation row: sum_g (d[g] * dx[g]) * (codes_g . xq_g)
-// + sum_g m[g] * xs[g]. d, m: the row's float16 steps and offsets; dx, xs [G]: the activation
-// row's block steps and dx * sum(xq). Eight groups at a time: their eight scales are built in
-// one vector (F16C conversion, one multiply) and each is broadcast to its group's lanes by a
-// permute, so no per-row conversion pass is needed (on short rows it would rival the dots).
-inline float row_dot(const int8_t* xq, const uint8_t* codes, const uint16_t* d, const uint16_t* m,
-                     const float* dx, const float* xs, int64_t G) {
-  auto group = [&](int64_t j) { return group_dots(codes, xq, j); };
+// + sum_g m[g] * xs[g]. d, m: the row's float16 steps and offsets; hb: its fifth bits (kFive);
+// dx, xs [G]: the activation row's block steps and dx * sum(xq). Eight groups at a time: their
+// eight scales are built in one vector (F16C conversion, one multiply) and each is broadcast to
+// its group's lanes by a permute, so no per-row conversion pass is needed (on short rows it
+// would rival the dots).
+template <bool kFive>
+inline float row_dot(const int8_t* xq, const uint8_t* codes, const uint8_t* hb, const uint16_t* d,
+                     const uint16_t* m, const float* dx, const float* xs, int64_t G) {
+  auto group = [&](int64_t j) { return group_dots<kFive>(codes, hb, xq, j); };
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), am = _mm256_setzero_ps();
   int64_t g = 0;
   for (; g + 8 <= G; g += 8) {
     // eight groups are 128 bytes of codes: two cache lines to prefetch
     _mm_prefetch(reinterpret_cast<const char*>(codes + g * (kGroup / 2) + kPrefetch), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(codes + g * (kGroup / 2) + kPrefetch + 64), _MM_HINT_T0);
+    if constexpr (kFive) _mm_prefetch(reinterpret_cast<const char*>(hb + g * 4 + kPrefetch / 4), _MM_HINT_T0);
     const __m256 sc = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g))),
                                     _mm256_loadu_ps(dx + g));
     am = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g))),
                          _mm256_loadu_ps(xs + g), am);
-#define LONGATTN_INT4_GROUP(j, acc) \
+#define LONGATTN_GROUP(j, acc) \
     acc = _mm256_fmadd_ps(group(g + j), _mm256_permutevar8x32_ps(sc, _mm256_set1_epi32(j)), acc);
-    LONGATTN_INT4_GROUP(0, acc0) LONGATTN_INT4_GROUP(1, acc1) LONGATTN_INT4_GROUP(2, acc0)
-    LONGATTN_INT4_GROUP(3, acc1) LONGATTN_INT4_GROUP(4, acc0) LONGATTN_INT4_GROUP(5, acc1)
-    LONGATTN_INT4_GROUP(6, acc0) LONGATTN_INT4_GROUP(7, acc1)
-#undef LONGATTN_INT4_GROUP
+    LONGATTN_GROUP(0, acc0) LONGATTN_GROUP(1, acc1) LONGATTN_GROUP(2, acc0)
+    LONGATTN_GROUP(3, acc1) LONGATTN_GROUP(4, acc0) LONGATTN_GROUP(5, acc1)
+    LONGATTN_GROUP(6, acc0) LONGATTN_GROUP(7, acc1)
+#undef LONGATTN_GROUP
   }
   float off = 0.f;
   for (; g < G; ++g) {
@@ -124,16 +147,21 @@ inline float row_dot(const int8_t* xq, const uint8_t* codes, const uint16_t* d, 
 // meets its half of the activations in one vpdpbusd (unsigned codes times signed int8 into
 // int32 lanes of four exact products), so a group needs neither the shift-and-broadcast nor the
 // vpmaddubsw + vpmaddwd pair of the AVX2 form: about a third of its instructions per weight,
-// which matters because instructions, not memory, bound the AVX2 form on short rows.
-// xs2: the activation row rearranged by int4_gemv, per four groups 64 bytes of their low
+// which matters because instructions, not memory, bound the AVX2 form on short rows. int5's
+// fifth bits of four groups are two 64-bit masks (one byte shuffle of their four words), each
+// added to its half in one masked byte add.
+// xs2: the activation row rearranged by group_gemv, per four groups 64 bytes of their low
 // halves then 64 of their high halves. The integer dot of each group is the same as row_dot's,
 // but it lands in four float lanes instead of eight, so sums differ from the AVX2 form's in the
-// last bits (both are within the bound tests/test_weights.py derives).
+// last bits (both are within the bound tests/core/test_weights.py derives).
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
-float row_dot_512(const int8_t* xs2, const int8_t* xq, const uint8_t* codes, const uint16_t* d, const uint16_t* m,
-                  const float* dx, const float* xs, int64_t G) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
+template <bool kFive>
+float row_dot_512(const int8_t* xs2, const int8_t* xq, const uint8_t* codes, const uint8_t* hb, const uint16_t* d,
+                  const uint16_t* m, const float* dx, const float* xs, int64_t G) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+  // the four words' low 16 bits (values 0..15 of each group), then their high 16 bits
+  const __m128i halves = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
   // lanes 4i..4i+3 take scale i (first four groups of eight) or 4 + i (last four)
   const __m512i pick_lo = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   const __m512i pick_hi = _mm512_add_epi32(pick_lo, _mm512_set1_epi32(4));
@@ -141,7 +169,12 @@ float row_dot_512(const int8_t* xs2, const int8_t* xq, const uint8_t* codes, con
   __m256 am = _mm256_setzero_ps();
   auto four = [&](int64_t j, __m512 sc) {  // groups j .. j + 3, sc: their scales in 128-bit lanes
     const __m512i c = _mm512_loadu_si512(codes + j * (kGroup / 2));
-    const __m512i lo = _mm512_and_si512(c, low4), hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), low4);
+    __m512i lo = _mm512_and_si512(c, low4), hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), low4);
+    if constexpr (kFive) {
+      const __m128i w = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hb + 4 * j)), halves);
+      lo = _mm512_mask_add_epi8(lo, static_cast<__mmask64>(_mm_cvtsi128_si64(w)), lo, bit4);
+      hi = _mm512_mask_add_epi8(hi, static_cast<__mmask64>(_mm_extract_epi64(w, 1)), hi, bit4);
+    }
     __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xs2 + j * kGroup));
     dots = _mm512_dpbusd_epi32(dots, hi, _mm512_loadu_si512(xs2 + j * kGroup + 64));
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), sc, acc);
@@ -150,6 +183,7 @@ float row_dot_512(const int8_t* xs2, const int8_t* xq, const uint8_t* codes, con
   for (; g + 8 <= G; g += 8) {
     _mm_prefetch(reinterpret_cast<const char*>(codes + g * (kGroup / 2) + kPrefetch), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(codes + g * (kGroup / 2) + kPrefetch + 64), _MM_HINT_T0);
+    if constexpr (kFive) _mm_prefetch(reinterpret_cast<const char*>(hb + g * 4 + kPrefetch / 4), _MM_HINT_T0);
     const __m512 sc = _mm512_castps256_ps512(_mm256_mul_ps(
         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g))), _mm256_loadu_ps(dx + g)));
     am = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g))),
@@ -169,7 +203,7 @@ float row_dot_512(const int8_t* xs2, const int8_t* xq, const uint8_t* codes, con
   }
   __m256 acc0 = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
   for (; g < G; ++g) {  // the last G % 4 groups as row_dot does them (xq: natural order)
-    acc0 = _mm256_fmadd_ps(group_dots(codes, xq, g), _mm256_set1_ps(_cvtsh_ss(d[g]) * dx[g]), acc0);
+    acc0 = _mm256_fmadd_ps(group_dots<kFive>(codes, hb, xq, g), _mm256_set1_ps(_cvtsh_ss(d[g]) * dx[g]), acc0);
     off += _cvtsh_ss(m[g]) * xs[g];
   }
   return hsum(_mm256_add_ps(acc0, am)) + off;
@@ -186,16 +220,19 @@ void split_halves(const int8_t* xq, int64_t G, int8_t* xs2) {
     }
 }
 
-// The packed weight of both ops, checked once: codes [N, K/2] uint8, d and m [N, K/32] float16
-// (K: the activations' length for int4_gemv, twice the codes' width for int4_dequantize).
-struct PackedInt4 {
-  at::Tensor cc, dc, mc;  // contiguous copies (or the tensors themselves), kept alive
+// The packed weight of the ops, checked once: codes [N, K/2] uint8, hbits [N, K/8] uint8 (int5
+// only; an undefined tensor for int4), d and m [N, K/32] float16 (K: the activations' length
+// for the GEMVs, twice the codes' width for the dequantizers).
+struct PackedGroups {
+  at::Tensor cc, hc, dc, mc;  // contiguous copies (or the tensors themselves), kept alive
   int64_t N, K, G;
   const uint8_t* codes;
+  const uint8_t* hb = nullptr;
   const uint16_t* d;
   const uint16_t* m;
 
-  PackedInt4(const char* op, const at::Tensor& codes_, const at::Tensor& d_, const at::Tensor& m_, int64_t K_) {
+  PackedGroups(const char* op, const at::Tensor& codes_, const at::Tensor* hbits_, const at::Tensor& d_,
+               const at::Tensor& m_, int64_t K_) {
     TORCH_CHECK(codes_.dim() == 2 && d_.dim() == 2 && m_.dim() == 2, op, ": codes [N, K/2], d, m [N, K/32]");
     TORCH_CHECK(codes_.scalar_type() == at::kByte && d_.scalar_type() == at::kHalf && m_.scalar_type() == at::kHalf,
                 op, ": codes uint8, d and m float16");
@@ -203,6 +240,13 @@ struct PackedInt4 {
     N = codes_.size(0), K = K_, G = K_ / kGroup;
     TORCH_CHECK(codes_.size(1) * 2 == K && d_.size(0) == N && d_.size(1) == G && m_.size(0) == N && m_.size(1) == G,
                 op, ": shapes do not match");
+    if (hbits_ != nullptr) {
+      TORCH_CHECK(hbits_->dim() == 2 && hbits_->scalar_type() == at::kByte && hbits_->size(0) == N &&
+                      hbits_->size(1) * 8 == K,
+                  op, ": hbits [N, K/8] uint8");
+      hc = hbits_->contiguous();
+      hb = hc.data_ptr<uint8_t>();
+    }
     cc = codes_.contiguous(), dc = d_.contiguous(), mc = m_.contiguous();
     codes = cc.data_ptr<uint8_t>();
     d = reinterpret_cast<const uint16_t*>(dc.data_ptr<at::Half>());
@@ -210,17 +254,12 @@ struct PackedInt4 {
   }
 };
 
-at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
-                     int64_t isa) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int4_gemv: x [M, K] float32");
-  const PackedInt4 w("int4_gemv", codes, d, m, x.size(1));
+template <bool kFive>
+at::Tensor group_gemv(const at::Tensor& x, const PackedGroups& w, int64_t isa) {
   const int64_t M = x.size(0), K = w.K, N = w.N, G = w.G;
   const auto xc = x.contiguous();
   auto y = at::empty({M, N}, xc.options());
   const float* xp = xc.data_ptr<float>();
-  const uint8_t* cp = w.codes;
-  const uint16_t* dp = w.d;
-  const uint16_t* mp = w.m;
   float* yp = y.data_ptr<float>();
   // Activations to int8 per block, once per call: xq [M, K], dx [M, G], xs [M, G] = dx * sum(xq).
   std::vector<int8_t> xq(M * K);
@@ -239,34 +278,50 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t r = 0; r < M; ++r) {
         const int8_t* x = xq.data() + r * K;
-        const uint8_t* c = cp + n * (K / 2);
+        const uint8_t* c = w.codes + n * (K / 2);
+        const uint8_t* hb = kFive ? w.hb + n * (K / 8) : nullptr;
+        const uint16_t *dn = w.d + n * G, *mn = w.m + n * G;
         const float *dxr = dx.data() + r * G, *xsr = xs.data() + r * G;
-        yp[r * N + n] = wide ? row_dot_512(xs2.data() + r * K, x, c, dp + n * G, mp + n * G, dxr, xsr, G)
-                             : row_dot(x, c, dp + n * G, mp + n * G, dxr, xsr, G);
+        yp[r * N + n] = wide ? row_dot_512<kFive>(xs2.data() + r * K, x, c, hb, dn, mn, dxr, xsr, G)
+                             : row_dot<kFive>(x, c, hb, dn, mn, dxr, xsr, G);
       }
   });
   return y;
 }
 
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
+                     int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int4_gemv: x [M, K] float32");
+  return group_gemv<false>(x, PackedGroups("int4_gemv", codes, nullptr, d, m, x.size(1)), isa);
+}
+
+at::Tensor int5_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& hbits, const at::Tensor& d,
+                     const at::Tensor& m, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int5_gemv: x [M, K] float32");
+  return group_gemv<true>(x, PackedGroups("int5_gemv", codes, &hbits, d, m, x.size(1)), isa);
+}
+
 // Rows of the weight itself, for prefill-sized products (a float GEMM on float32
-// activations): codes [N, K/2], d, m [N, K/32] -> [N, K] float32, d * u + m per value in float32
-// (one fma; PyTorch's u * d + m rounds twice, so results may differ in the last bit).
+// activations): codes [N, K/2] (hbits [N, K/8] for int5), d, m [N, K/32] -> [N, K] float32,
+// d * u + m per value in float32 (one fma, exact product: the correctly rounded value).
 // One pass here instead of several PyTorch ops (unpack, concatenate, scale, shift), each a sweep
-// over the whole matrix, so int4 prefill is not held back by its dequantization.
-at::Tensor int4_dequantize(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m) {
-  const PackedInt4 p("int4_dequantize", codes, d, m, codes.dim() == 2 ? codes.size(1) * 2 : 0);
+// over the whole matrix, so low-bit prefill is not held back by its dequantization.
+template <bool kFive>
+at::Tensor group_dequantize(const PackedGroups& p) {
   const int64_t N = p.N, K = p.K, G = p.G;
   auto w = at::empty({N, K}, at::TensorOptions().dtype(at::kFloat));
-  const uint8_t* cp = p.codes;
-  const uint16_t* dp = p.d;
-  const uint16_t* mp = p.m;
   float* wp = w.data_ptr<float>();
   const __m128i low4 = _mm_set1_epi8(0x0F);
   at::parallel_for(0, N * G, 256, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {  // group i = row i / G, group i % G
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(cp + i * (kGroup / 2)));
-      const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
-      const __m256 dv = _mm256_set1_ps(_cvtsh_ss(dp[i])), mv = _mm256_set1_ps(_cvtsh_ss(mp[i]));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.codes + i * (kGroup / 2)));
+      __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+      if constexpr (kFive) {  // groups are contiguous, so group i's bits are word i
+        const __m256i f = fifth_bits(p.hb, i);
+        lo = _mm_or_si128(lo, _mm256_castsi256_si128(f));
+        hi = _mm_or_si128(hi, _mm256_extracti128_si256(f, 1));
+      }
+      const __m256 dv = _mm256_set1_ps(_cvtsh_ss(p.d[i])), mv = _mm256_set1_ps(_cvtsh_ss(p.m[i]));
       float* out = wp + i * kGroup;
       const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
       for (int j = 0; j < 4; ++j)
@@ -276,14 +331,29 @@ at::Tensor int4_dequantize(const at::Tensor& codes, const at::Tensor& d, const a
   return w;
 }
 
+at::Tensor int4_dequantize(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m) {
+  const int64_t K = codes.dim() == 2 ? codes.size(1) * 2 : 0;
+  return group_dequantize<false>(PackedGroups("int4_dequantize", codes, nullptr, d, m, K));
+}
+
+at::Tensor int5_dequantize(const at::Tensor& codes, const at::Tensor& hbits, const at::Tensor& d,
+                           const at::Tensor& m) {
+  const int64_t K = codes.dim() == 2 ? codes.size(1) * 2 : 0;
+  return group_dequantize<true>(PackedGroups("int5_dequantize", codes, &hbits, d, m, K));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(longattn_cpu, m) {
   m.def("int4_gemv(Tensor x, Tensor codes, Tensor d, Tensor m, int isa=-1) -> Tensor");
   m.def("int4_dequantize(Tensor codes, Tensor d, Tensor m) -> Tensor");
+  m.def("int5_gemv(Tensor x, Tensor codes, Tensor hbits, Tensor d, Tensor m, int isa=-1) -> Tensor");
+  m.def("int5_dequantize(Tensor codes, Tensor hbits, Tensor d, Tensor m) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(longattn_cpu, CPU, m) {
   m.impl("int4_gemv", &int4_gemv);
   m.impl("int4_dequantize", &int4_dequantize);
+  m.impl("int5_gemv", &int5_gemv);
+  m.impl("int5_dequantize", &int5_dequantize);
 }
