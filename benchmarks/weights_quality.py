@@ -1,7 +1,7 @@
 """Quality cost of each weight format: bits/token against float32 weights on the bundled books.
 
     python benchmarks/weights_quality.py --threads 2 [--models ...] [--tokens 1024] [--passages 3]
-        [--formats auto bf16 int8 int4] [--keep-int8 qkv gate_up]
+        [--formats auto bf16 int8 int4 int5] [--keep-int8 qkv gate_up]
 
 For every model and format (``auto``: the default, resolved for each checkpoint), bits/token of next-token prediction over ``--passages`` passages of
 ``--tokens`` tokens (one from each of the first bundled books, from 20% into the book body). Two
@@ -10,7 +10,7 @@ arithmetics per quantized format:
 - ``prefill``: the chunked-prefill path (the weight dequantized to float32, float32 activations):
   the cost of the weights alone;
 - ``decode``: every matmul through the decode kernels (as each generated token is computed; for
-  int4 that includes rounding activations to int8 per block of 32).
+  int4 and int5 that includes rounding activations to int8 per block of 32).
 
 ``--keep-int8 qkv ...`` adds int4 arms (decode arithmetic) that keep one kind of matrix in int8.
 
@@ -57,7 +57,7 @@ def bits_per_token(model, ids: list) -> float:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m", "qwen2.5-0.5b"])
-    ap.add_argument("--formats", nargs="*", default=["auto", "bf16", "int8", "int4"])
+    ap.add_argument("--formats", nargs="*", default=["auto", "bf16", "int8", "int4", "int5"])
     ap.add_argument("--keep-int8", nargs="*", default=[],
                     help="extra int4 arms, each keeping the matrices whose module name contains "
                          "this fragment in int8 (e.g. qkv, gate_up, down_proj, o_proj, embed)")
