@@ -12,8 +12,8 @@ from ..errors import LongattnError
 
 
 # The fastest weights whose quality cost is negligible (models.weights.auto_recipe): a file's
-# own 4- and 5-bit groups as int4 and int5 (its weights exactly), int8 elsewhere (<= 0.004
-# bits/token on the bundled models; int4 made from other formats costs 0.1-0.37:
+# own 4- and 5-bit groups as int4 and int5 (its weights exactly), int8 elsewhere (<= 0.005
+# bits/token in all on the bundled models; int4 made from other formats costs 0.1-0.37:
 # docs/benchmarks.md).
 DEFAULT_WEIGHTS = "auto"
 
@@ -35,7 +35,7 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str = "smollm2-135
     p.add_argument("--weights", default=DEFAULT_WEIGHTS,
                    help="weight format, prepared once and memory-mapped from the cache after: auto "
                         "(the default: int4 and int5 for the matrices a GGUF stores as Q4_0/Q4_1 and "
-                        "Q5_0/Q5_1 groups, read as they are, int8 for the rest: <= 0.004 bits/token "
+                        "Q5_0/Q5_1 groups, read as they are, int8 for the rest: <= 0.005 bits/token "
                         "against the checkpoint's weights), f32 (the reference), bf16, int8 "
                         "(per output row), int4 or int5 (groups of 32; decode "
                         "quantizes activations to int8 per block of 32); int4+int8:embed keeps the "

@@ -105,9 +105,9 @@ def auto_recipe(matrices, stored: dict) -> str:
     stored as 4- or 5-bit groups, int8 otherwise.
 
     int4 and int5 then cost nothing against the checkpoint's weights (their decode rounds
-    activations to int8 per block of 32, as llama.cpp does), and int8 costs <= 0.004 bits/token
-    on the bundled models (benchmarks/weights_quality.py). A checkpoint with a matrix outside
-    ``_KINDS`` (an expert router, say) gets plain int8.
+    activations to int8 per block of 32, as llama.cpp does), int8 costs <= 0.004 bits/token on
+    the bundled models and auto as a whole <= 0.005 (benchmarks/weights_quality.py). A
+    checkpoint with a matrix outside ``_KINDS`` (an expert router, say) gets plain int8.
     """
     part_of = {part: kind for kind, parts in _KINDS.items() for part in parts}
     kinds = {n: part_of.get(n.rsplit(".", 2)[-2] if n.endswith(".weight") else "") for n in matrices}
