@@ -12,7 +12,8 @@ tok/s; the driver measures wall time (spawn to exit) and peak RSS (``wait4``) it
 are book text cut to ``--prompts`` tokens (longattn's tokenizer; llama.cpp tokenizes the same
 text itself, so its count is reported beside). A first untimed run of each arm per model
 warms the page cache and longattn's prepared-weights cache: the figures are warm starts;
-``--cold`` times one run per model with an empty ``$LONGATTN_CACHE`` first. ``--window W``
+``--cold`` times one run per model with an empty ``$LONGATTN_CACHE`` first (after building
+the C++ kernels into the environment where they are not, as ``make setup`` does). ``--window W``
 adds an arm on prompts longer than W: longattn with ``--policy global --window W --sinks 4``
 (the layers the checkpoint leaves global read W keys and 4 sinks; trained windows stay).
 The default step is the one built ahead of time: the untimed round 0 builds it (``--cold``
@@ -134,6 +135,8 @@ def main():
     longattn_bin = str(Path(sys.executable).with_name("longattn"))
     text = all_books_text()
     rows, cold = [], {}
+    if args.cold:  # a cold run starts from an installed environment: its kernels built at set-up
+        subprocess.run([sys.executable, "-m", "longattn.ops.native"], env=env, check=False)
     work = Path(tempfile.mkdtemp(prefix="first-token-"))
     try:
         for name in args.models:
