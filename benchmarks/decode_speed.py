@@ -80,7 +80,7 @@ def weight_bytes(model) -> int:
     reads the whole table; an untied embedding only a row, left out)."""
     n = 0
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if "inv_freq" in name or name.endswith("scales_bf16"):
+        if "inv_freq" in name:
             continue
         if model.lm_head is not None and "embed_tokens" in name:
             continue

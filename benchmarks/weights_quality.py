@@ -4,15 +4,13 @@
         [--formats auto bf16 int8 int4 int5] [--keep-int8 qkv gate_up]
 
 For every model and format (``auto``: the default, resolved for each checkpoint), bits/token of next-token prediction over ``--passages`` passages of
-``--tokens`` tokens (one from each of the first bundled books, from 20% into the book body). Two
-arithmetics per quantized format:
+``--tokens`` tokens (one from each of the first bundled books, from 20% into the book body).
+The quantized formats (auto, int8, int4, int5) have one arithmetic for prefill and decode
+(activations rounded to int8 per block of 32, ``ops/csrc/quant_gemm.cpp``): one arm each,
+``kernel``. bf16 has two: ``prefill`` (the weight widened to float32) and ``decode`` (bf16
+products, as each generated token is computed).
 
-- ``prefill``: the chunked-prefill path (the weight dequantized to float32, float32 activations):
-  the cost of the weights alone;
-- ``decode``: every matmul through the decode kernels (as each generated token is computed; for
-  int4 and int5 that includes rounding activations to int8 per block of 32).
-
-``--keep-int8 qkv ...`` adds int4 arms (decode arithmetic) that keep one kind of matrix in int8.
+``--keep-int8 qkv ...`` adds int4 arms that keep one kind of matrix in int8.
 
 Writes benchmarks/results/weights_quality.json (or --out). Quality only: nothing here is timed.
 """
@@ -74,8 +72,8 @@ def main():
         texts = passages(ck.tokenizer, args.tokens, args.passages)
         rows = {}
         arms = [("f32", "prefill")] + [(f, a) for f in args.formats
-                                       for a in (("prefill",) if f == "bf16" else ("prefill", "decode"))]
-        arms += [(f"int4+int8:{frag}", "decode") for frag in args.keep_int8]
+                                       for a in (("prefill", "decode") if f == "bf16" else ("kernel",))]
+        arms += [(f"int4+int8:{frag}", "kernel") for frag in args.keep_int8]
         bar = progress_bar(len(arms) * len(texts), desc=name, unit="passage")
         for fmt, arith in arms:
             # what a run with this recipe builds: auto resolved for the checkpoint, and int4/int5
@@ -84,7 +82,7 @@ def main():
             model = build_model(ck.config, ck.state_dict, weights=weights, kinds=kinds, stored=stored)
             if fmt == "auto":
                 print(f"{name}: auto is {model.weights}")
-            # "decode": every matmul runs the decode-sized kernels (what a generated token sees)
+            # bf16 "decode": every matmul in bf16, as a generated token's are
             linear.WIDEN_ROWS = 1 << 30 if arith == "decode" else widen
             try:
                 bits = []

@@ -29,7 +29,7 @@ from .digest import content_digest, remember_digest
 from .load import CHECKSUM, LoadedCheckpoint, discard_entry, entry_intact
 from .paths import atomic_dir, cache_root
 
-PREPARED_VERSION = "3"  # bump when the saved layout (module names, packing), its source or auto's rule changes
+PREPARED_VERSION = "4"  # bump when the saved layout (module names, packing), its source or auto's rule changes
 MODEL_FILE = "model.pt"
 
 

@@ -20,7 +20,7 @@ from ..config import ModelConfig
 from ..errors import LongattnError
 from ..ops.attention import MaskMemo, WindowOp
 from ..ops.linear import (INT4_GROUP, dequantize_int4, dequantize_int5, dequantize_int8, float_linear, gemv_kernel,
-                          int4_matmul, int5_matmul, int8_matmul, prefill_sized, widened_linear)
+                          int4_matmul, int5_matmul, int8_matmul)
 from .rope import SEQ_DEPENDENT, apply_rope, inv_freq, rope_cos_sin, rope_frequencies
 from .weights import (QUANTIZED, int4_applies, int4_as_int5, kind_format, parse_weights, quantize_int4, quantize_int5,
                       quantize_int8, recipe_name)
@@ -94,15 +94,12 @@ class Linear(nn.Module):
         """Per-row int8; ``structure_only`` as in to_int4."""
         N, K = self.weight.shape
         if structure_only:
-            q, scales, scales_bf16 = (torch.empty(N, K, dtype=torch.int8), torch.empty(N),
-                                      torch.empty(N, dtype=torch.bfloat16))
+            q, scales = torch.empty(N, K, dtype=torch.int8), torch.empty(N)
         else:
             q, scales = quantize_int8(self.weight.data)
-            scales_bf16 = scales.to(torch.bfloat16)
         self.weight = self.stored = None
         self.qweight = q
         self.register_buffer("scales", scales)
-        self.register_buffer("scales_bf16", scales_bf16)
         # Chosen (and the kernel built) here, not in forward: a plain string is a constant
         # to torch.compile, and a first-call build must not happen inside a trace.
         self.kernel = gemv_kernel("int8")
@@ -123,15 +120,13 @@ class Linear(nn.Module):
     def forward(self, x):
         if self.qweight is None and self.codes is None:
             return float_linear(x, self.weight, self.bias)
-        if prefill_sized(x):  # dequantize blocks, float GEMM on float activations
-            n_out = (self.codes if self.codes is not None else self.qweight).shape[0]
-            return widened_linear(x, n_out, lambda i, j: self.effective_weight(x.dtype, slice(i, j)), self.bias)
+        # every row count runs the same kernel: a row's result never depends on the rows beside it
         if self.hbits is not None:
             y = int5_matmul(x, self.codes, self.hbits, self.steps, self.offsets, self.kernel)
         elif self.codes is not None:
             y = int4_matmul(x, self.codes, self.steps, self.offsets, self.kernel)
         else:
-            y = int8_matmul(x, self.qweight, self.scales, self.scales_bf16, self.kernel)
+            y = int8_matmul(x, self.qweight, self.scales, self.kernel)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 

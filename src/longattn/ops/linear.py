@@ -1,19 +1,22 @@
-"""The one place that picks a GEMV kernel for each weight format.
+"""The one place that picks a matmul kernel for each weight format.
 
 Formats (``models.weights`` makes them): float32 and bf16 matrices, int8 rows with one float32
-scale each, int4 and int5 groups of 32 with a float16 step and offset. A matmul with WIDEN_ROWS rows or
-more (prefill) widens the weight to the activations' dtype block by block and runs a float GEMM;
-a decode-sized one runs a kernel on the stored format:
+scale each, int4 and int5 groups of 32 with a float16 step and offset. The quantized formats
+have one arithmetic for every number of rows: activations rounded to int8 per block of 32
+(``quantize_activations``), exact integer dots with the stored codes, float32 sums in an order
+fixed per output element. So a token's result is the same bits whether it is one of a
+prefill's hundreds of rows, a decode step's one row or one of many streams batched together
+(docs/design.md, invariant 3), and prefill runs on the weights as stored.
 
-| format | kernel "avx2" (float32 activations, the native build) | fallback |
+| format | kernel "avx2" (the native build, float32 activations) | fallback ("torch") |
 |---|---|---|
-| int8 | ``csrc/int8_gemv.cpp``: rows widened exactly, float32 sums, batches in register tiles | ``aten._weight_int8pack_mm`` on bf16 activations |
-| int4, int5 | ``csrc/group_gemv.cpp``: activations rounded to int8 per block of 32, integer dots | the same arithmetic in PyTorch |
-| bf16 | ``F.linear`` in bf16 (half the bytes read) | |
+| int8, int4, int5 | ``csrc/quant_gemm.cpp``: integer dots, rows tiled to share each unpacked weight group | the same product in PyTorch: ``quantize_activations(x) @ W_eff^T`` |
+| bf16 | ``F.linear`` in bf16 for few rows (half the bytes read); widened to float32 for many | |
+| f32 | ``F.linear`` | |
 
 ``gemv_kernel`` makes the choice once, when a layer is converted (a plain string is a constant
-to torch.compile, and a first-call build must not happen inside a trace). The kernels have an
-AVX2 and an AVX-512 form; ``isa`` picks one (``ops.native.isa_code``).
+to torch.compile, and a first-call build must not happen inside a trace). The int4 and int5
+kernels have an AVX2 and an AVX-512 form; ``isa`` picks one (``ops.native.isa_code``).
 """
 
 from __future__ import annotations
@@ -103,32 +106,39 @@ def dequantize_int5(codes: torch.Tensor, hbits: torch.Tensor, d: torch.Tensor, m
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """What the int4 kernel multiplies by: ``x [..., K]`` rounded to int8 per block of 32 with one
-    step ``max|x| / 127`` per block, returned dequantized in x's dtype (for float32 x these are
-    the kernel's own values, bit for bit)."""
+    """What the quantized kernels multiply by: ``x [..., K]`` rounded to int8 per block of 32
+    (a last block of ``K % 32`` values on its own) with one step ``max|x| / 127`` per block,
+    returned dequantized in x's dtype (for float32 x these are the kernels' own values, bit for
+    bit)."""
+    K = x.shape[-1]
+    whole = K - K % INT4_GROUP
+    if whole < K:
+        return torch.cat([quantize_activations(x[..., :whole]), _quantize_block(x[..., whole:])], dim=-1)
     xb = x.reshape(*x.shape[:-1], -1, INT4_GROUP)
+    return _quantize_block(xb).reshape(x.shape)
+
+
+def _quantize_block(xb: torch.Tensor) -> torch.Tensor:
+    """``xb [..., B]`` rounded to int8 along the last dimension with one step, dequantized."""
     step = xb.abs().amax(-1, keepdim=True) / 127
     safe = torch.where(step > 0, step, torch.ones_like(step))
     xq = torch.round(xb / safe).clamp_(-127, 127)
-    return (xq * step).reshape(x.shape)
+    return xq * step
 
 
-def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, scales_bf16: torch.Tensor,
-                kernel: str = "aten") -> torch.Tensor:
-    """``x [..., K]`` -> ``x @ (q * scales)^T`` as ``[..., N]`` in x's dtype.
+def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, kernel: str = "torch") -> torch.Tensor:
+    """``x [..., K]`` -> ``quantize_activations(x) @ (q * scales)^T`` as ``[..., N]``.
 
-    kernel "avx2" (float32 x only): longattn's kernel, float32 arithmetic on unrounded
-    activations (``int8_gemv``). kernel "aten": ``aten._weight_int8pack_mm``, fast only
-    with bf16 activations, so x and the scales are rounded to bf16 exactly as the bf16 weight
-    path does.
+    kernel "avx2" (float32 x only): longattn's kernel (``csrc/quant_gemm.cpp``). Otherwise
+    PyTorch evaluates the same product in x's dtype (the fallback where the kernel cannot run).
     """
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if kernel == "avx2" and x.dtype == torch.float32:
-        y = int8_gemv(x2, q, scales)
+        y = torch.ops.longattn_cpu.int8_gemm(x2, q, scales, -1)
     else:
-        y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), q, scales_bf16)
-    return y.reshape(*shape[:-1], q.shape[0]).to(x.dtype)
+        y = quantize_activations(x2) @ dequantize_int8(q, scales, x.dtype).T
+    return y.reshape(*shape[:-1], q.shape[0])
 
 
 def int4_matmul(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
@@ -141,7 +151,7 @@ def int4_matmul(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if kernel == "avx2" and x.dtype == torch.float32:
-        y = torch.ops.longattn_cpu.int4_gemv(x2, codes, d, m, native.isa_code(isa))
+        y = torch.ops.longattn_cpu.int4_gemm(x2, codes, d, m, native.isa_code(isa))
     else:
         y = quantize_activations(x2) @ dequantize_int4(codes, d, m, x.dtype).T
     return y.reshape(*shape[:-1], codes.shape[0])
@@ -154,28 +164,18 @@ def int5_matmul(x: torch.Tensor, codes: torch.Tensor, hbits: torch.Tensor, d: to
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if kernel == "avx2" and x.dtype == torch.float32:
-        y = torch.ops.longattn_cpu.int5_gemv(x2, codes, hbits, d, m, native.isa_code(isa))
+        y = torch.ops.longattn_cpu.int5_gemm(x2, codes, hbits, d, m, native.isa_code(isa))
     else:
         y = quantize_activations(x2) @ dequantize_int5(codes, hbits, d, m, x.dtype).T
     return y.reshape(*shape[:-1], codes.shape[0])
 
 
 def gemv_kernel(fmt: str) -> str:
-    """The decode kernel a layer stored as ``fmt`` ("int8", "int4" or "int5") runs: "avx2"
-    where the native kernels are built (building them on the first call), else the format's
-    fallback ("aten" for int8, "torch" for int4 and int5)."""
-    if native.available():
-        return "avx2"
-    return "aten" if fmt == "int8" else "torch"
+    """The kernel a layer stored as ``fmt`` ("int8", "int4" or "int5") runs: "avx2" where the
+    native kernels are built (building them on the first call), else "torch"."""
+    return "avx2" if native.available() else "torch"
 
 
 def kernel_name() -> str:
-    """The int8 decode kernel in use, as benchmarks record it."""
-    return "longattn-avx2" if native.available() else "aten-int8pack"
-
-
-def int8_gemv(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, isa: str | None = None) -> torch.Tensor:
-    """``x [M, K]`` float32, ``q [N, K]`` int8, ``s [N]`` float32 -> ``x @ (q * s[:, None]).T``
-    as ``[M, N]`` float32 (the native kernel; ``int8_matmul`` picks it). ``isa`` picks its AVX2
-    or AVX-512 form (``ops.native.isa_code``; automatic by default)."""
-    return torch.ops.longattn_cpu.int8_gemv(x, q, s, native.isa_code(isa))
+    """The quantized matmul kernel in use, as benchmarks record it."""
+    return "longattn-avx2" if native.available() else "torch"

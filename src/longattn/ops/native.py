@@ -12,8 +12,8 @@ copied to another AVX2 machine loads the same library.
 Where it cannot be used (no AVX2, no compiler, or ``LONGATTN_NATIVE=off``) ``available()`` is
 False and every caller has a PyTorch path (see linear.py, attention.py).
 
-Ops (namespace ``longattn_cpu``): ``int8_gemv`` (csrc/int8_gemv.cpp), ``int4_gemv``,
-``int5_gemv`` and their dequantizers (csrc/group_gemv.cpp),
+Ops (namespace ``longattn_cpu``): ``int8_gemm``, ``int4_gemm``, ``int5_gemm`` and the
+dequantizers (csrc/quant_gemm.cpp),
 ``decode_attention`` (csrc/decode_attention.cpp) and ``scsa_decode`` (csrc/scsa_decode.cpp, the
 sparse decode call of longattn.sparse; eager only, so it needs no fake). The build targets
 AVX2; the AVX-512 functions are compiled for that target alone (``#pragma GCC target`` regions)
@@ -114,11 +114,11 @@ def _build() -> bool:
         return False
 
     # shapes for torch.compile's tracing (the kernels run only on real tensors)
-    @torch.library.register_fake("longattn_cpu::int8_gemv")
+    @torch.library.register_fake("longattn_cpu::int8_gemm")
     def _(x, q, s, isa=-1):
         return x.new_empty(x.shape[0], q.shape[0])
 
-    @torch.library.register_fake("longattn_cpu::int4_gemv")
+    @torch.library.register_fake("longattn_cpu::int4_gemm")
     def _(x, codes, d, m, isa=-1):
         return x.new_empty(x.shape[0], codes.shape[0])
 
@@ -126,7 +126,7 @@ def _build() -> bool:
     def _(codes, d, m):
         return codes.new_empty(codes.shape[0], codes.shape[1] * 2, dtype=torch.float32)
 
-    @torch.library.register_fake("longattn_cpu::int5_gemv")
+    @torch.library.register_fake("longattn_cpu::int5_gemm")
     def _(x, codes, hbits, d, m, isa=-1):
         return x.new_empty(x.shape[0], codes.shape[0])
 
@@ -153,16 +153,18 @@ ISAS = {None: -1, "auto": -1, "avx2": 0, "avx512": 1}
 
 def isa_code(isa: str | None = None) -> int:
     """The ``isa`` argument of the kernels with an AVX2 and an AVX-512 form (SCSA's opened-row
-    phase, the dense fused decode attention's row loops, the int8, int4 and int5 GEMVs): None or
+    phase, the dense fused decode attention's row loops, the int4 and int5 GEMMs): None or
     "auto" = -1 (each kernel's automatic choice), "avx2" = 0, "avx512" = 1 (the kernel raises
-    RuntimeError on a CPU without AVX-512 F/BW/VL/DQ/VNNI).
+    RuntimeError on a CPU without AVX-512 F/BW/VL/DQ/VNNI). The int8 GEMM takes the argument and
+    has one form, AVX2.
 
-    Automatic: SCSA and the int4 and int5 GEMVs take their AVX-512 forms where the CPU has them; the int8
-    GEMV for batches of two rows or more (one row is bound by memory, where the AVX2 form is as
-    fast); the dense attention too, except on AMD CPUs, whose 512-bit units split each operation
-    in two, so the AVX2 loops are faster there. SCSA's, the dense attention's and the int8 GEMV's
-    two forms give bit-identical outputs; the int4 and int5 GEMVs' differ in the last bits (other float
-    lanes), both within the bound the tests derive. Forcing a form is for tests and benchmarks."""
+    Automatic: SCSA and the int4 and int5 GEMMs take their AVX-512 forms where the CPU has them;
+    the dense attention too, except on AMD CPUs, whose 512-bit units split each operation in two,
+    so the AVX2 loops are faster there. SCSA's and the dense attention's two forms give
+    bit-identical outputs; the int4 and int5 GEMMs' differ in the last bits (other float lanes),
+    both within the bound the tests derive. Within one process every call takes the same form,
+    so a row's result never depends on the rows beside it. Forcing a form is for tests and
+    benchmarks."""
     if isa not in ISAS:
         raise ValueError(f"isa is one of {', '.join(k for k in ISAS if k)} or None, got {isa!r}")
     return ISAS[isa]

@@ -2,9 +2,9 @@
 //
 // The extension is built for AVX2 + FMA (every x86 CPU the kernels support); some kernels also
 // hold AVX-512 (F/BW/VL/DQ/VNNI) forms compiled in `#pragma GCC target` regions, which may run
-// only where the CPU reports those features. SCSA's, the dense decode attention's and the int8
-// GEMV's forms give the same bits as their AVX2 twins; the int4 GEMV's sums land in other lanes
-// (last-bit differences, within the bound its tests derive). Each such kernel takes `isa`: -1 automatic
+// only where the CPU reports those features. SCSA's and the dense decode attention's forms give
+// the same bits as their AVX2 twins; the int4 and int5 GEMMs' sums land in other lanes
+// (last-bit differences, within the bound their tests derive). One process takes one form. Each such kernel takes `isa`: -1 automatic
 // (the choice below), 0 the AVX2 forms, 1 the AVX-512 forms (an error where the CPU lacks them).
 // Nothing is process-wide, so one caller forcing a form never changes another's.
 #pragma once
@@ -30,9 +30,8 @@ inline void check_isa(int64_t isa) {
   TORCH_CHECK(isa != 1 || cpu_avx512(), "this CPU lacks AVX-512 F/BW/VL/DQ/VNNI");
 }
 
-// SCSA's opened-row phase, the int4 GEMV and the int8 GEMV's batches: automatic takes the
-// AVX-512 forms where the CPU has them, since they pay on Intel and AMD (Zen 4) AVX-512 hosts
-// (the int8 batches are measured on Intel only).
+// SCSA's opened-row phase and the int4 and int5 GEMMs: automatic takes the AVX-512 forms where
+// the CPU has them, since they pay on Intel and AMD (Zen 4) AVX-512 hosts.
 inline bool use_avx512(int64_t isa) {
   check_isa(isa);
   return isa < 0 ? cpu_avx512() : isa == 1;

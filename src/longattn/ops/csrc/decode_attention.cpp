@@ -50,6 +50,9 @@
 
 namespace {
 
+// Slots per work item (above).
+constexpr int64_t kSlotChunk = 128;
+
 using longattn::dot;
 using longattn::dot8;
 using longattn::exp_shift_sum;
@@ -208,12 +211,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t* qposp = qpc.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
 
-  // Split the slots so every thread has work even with one stream and one KV head; chunks of
-  // at least 64 slots keep the per-item fixed cost (partials, merge) small.
+  // Split the slots into chunks of a fixed size, so threads share even one stream's one KV head,
+  // and a query's result depends on nothing but its own slots: not on the batch, the thread
+  // count, or how far a batch pads its block tables (slots past a stream's own are empty
+  // chunks, which the merge skips). Its parts merge in slot order.
   const int64_t heads = B * Hkv;
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>((S + 63) / 64, (2 * threads + heads - 1) / heads));
-  const int64_t chunk = (S + chunks - 1) / chunks;
+  const int64_t chunk = kSlotChunk;
+  const int64_t chunks = std::max<int64_t>(1, (S + chunk - 1) / chunk);
   // partial[item][g] = (max, normaliser, numerator[D])
   std::vector<float> part(heads * chunks * G * (D + 2));
   // the AVX-512 loops (same bits) where the CPU has them and rows are whole 512-bit vectors
