@@ -12,7 +12,7 @@ from longattn.engine import aot_step
 from longattn.engine.static_step import StaticDecoder
 from longattn.errors import LongattnError
 from longattn.models.prepared import from_prepared
-from longattn.ops import linear, native
+from longattn.ops import native
 from longattn.policy import AttentionPolicy
 from model_paths import ids_for
 from tolerance import max_err
@@ -25,7 +25,6 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="the ahead-of-tim
 @pytest.fixture()
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("LONGATTN_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(linear, "WIDEN_ROWS", 1 << 30)  # forward = the decode kernels
     return tmp_path / "cache"
 
 

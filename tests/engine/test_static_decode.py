@@ -66,7 +66,7 @@ CASES = [("llama", 5, 2, "f32", False, "matmul"), ("llama", 5, 2, "int8", False,
 
 @pytest.mark.parametrize("family,window,sinks,weights,compiled,attention", CASES)
 def test_static_decode_agrees_with_reference(monkeypatch, family, window, sinks, weights, compiled, attention):
-    monkeypatch.setattr(linear, "WIDEN_ROWS", 1 << 30)  # forward = the decode kernels
+    monkeypatch.setattr(linear, "WIDEN_ROWS", 1 << 30)  # bf16's forward = its decode arithmetic
     m, m64 = tiny(family, weights)
     pol = policy_for(m.config, window, sinks)
     ids = ids_for(2, T=24, seed=3)

@@ -19,8 +19,8 @@ from ..cache.base import KVView
 from ..config import ModelConfig
 from ..errors import LongattnError
 from ..ops.attention import MaskMemo, WindowOp
-from ..ops.linear import (INT4_GROUP, dequantize_int4, dequantize_int5, dequantize_int8, float_linear, gemv_kernel,
-                          int4_matmul, int5_matmul, int8_matmul)
+from ..ops.linear import (INT4_GROUP, dequantize_int4, dequantize_int5, dequantize_int8, float_linear,
+                          int4_matmul, int5_matmul, int8_matmul, quantized_kernel)
 from .rope import SEQ_DEPENDENT, apply_rope, inv_freq, rope_cos_sin, rope_frequencies
 from .weights import (QUANTIZED, int4_applies, int4_as_int5, kind_format, parse_weights, quantize_int4, quantize_int5,
                       quantize_int8, recipe_name)
@@ -88,7 +88,7 @@ class Linear(nn.Module):
             self.hbits = fifth[0]
         self.register_buffer("steps", steps)  # float16 [N, K/32]
         self.register_buffer("offsets", offsets)  # float16 [N, K/32]
-        self.kernel = gemv_kernel(f"int{bits}")  # see to_int8
+        self.kernel = quantized_kernel()  # see to_int8
 
     def to_int8(self, structure_only: bool = False) -> None:
         """Per-row int8; ``structure_only`` as in to_int4."""
@@ -102,7 +102,7 @@ class Linear(nn.Module):
         self.register_buffer("scales", scales)
         # Chosen (and the kernel built) here, not in forward: a plain string is a constant
         # to torch.compile, and a first-call build must not happen inside a trace.
-        self.kernel = gemv_kernel("int8")
+        self.kernel = quantized_kernel()
 
     def group_parts(self, rows=slice(None)) -> tuple:
         """The int4 (codes, steps, offsets) or int5 (codes, hbits, steps, offsets) rows ``rows``."""

@@ -3,11 +3,11 @@ int5 (groups of 32), and ``auto`` (the default), which picks int4, int5 or int8 
 of matrix from what the checkpoint stores (auto_recipe).
 
 ``int8`` stores every 2-D weight (projections, embedding table, output head) as int8 rows with
-one float32 scale per row (symmetric, scale = max|row| / 127). Decode-sized matmuls (< WIDEN_ROWS
-rows) run longattn's AVX2 kernel on float32 activations (ops/linear.py picks it; PyTorch's
-``aten._weight_int8pack_mm`` on bf16 activations where it cannot run): a step reads a quarter of
-the float32 bytes. Prefill-sized matmuls dequantize the weight to float32 once per
-call (this CPU has no fast int8 or bf16 GEMM for many rows; see WIDEN_ROWS in ops/linear.py).
+one float32 scale per row (symmetric, scale = max|row| / 127): a decode step reads a quarter of
+the float32 bytes. Every int8, int4 and int5 matmul, whatever its row count, runs longattn's
+kernel (ops/csrc/quant_gemm.cpp; ops/linear.py picks it, and evaluates the same product in
+PyTorch where it cannot run), which rounds the activations to int8 per block of 32 and takes
+exact integer dots.
 
 Per-row quantization commutes with concatenating rows, so the fused q/k/v and gate/up matrices
 hold exactly the values that quantizing each part would give: ``effective_state_dict`` uses that
@@ -15,11 +15,8 @@ to build the float reference model that tests compare the int8 paths against.
 
 ``int4`` stores every 2-D weight whose row length is a multiple of 32 as 4-bit codes in groups
 of 32 along the row, each group with a float16 step and a float16 offset (``d * u + m``,
-u in 0..15; 20 bytes per 32 weights). Decode-sized matmuls run longattn's kernel
-(ops/csrc/group_gemv.cpp), which quantizes the activations to int8 per block of 32 once per call
-and takes exact integer dots; ``int4_matmul`` evaluates the same arithmetic in PyTorch where the
-kernel cannot run. Prefill-sized matmuls dequantize the weight
-to float32 and keep float32 activations. A matrix whose rows are not a multiple of 32 stays int8.
+u in 0..15; 20 bytes per 32 weights), multiplied as int8 is. A matrix whose rows are not a
+multiple of 32 stays int8.
 ``int5`` is int4 with a fifth bit per code (u in 0..31, 24 bytes per 32 weights; the same
 kernels): GGML's Q5_0 and Q5_1 blocks are int5 groups exactly, so a GGUF's 5-bit matrices run
 as stored instead of widened to int8.

@@ -14,7 +14,7 @@ prefill's hundreds of rows, a decode step's one row or one of many streams batch
 | bf16 | ``F.linear`` in bf16 for few rows (half the bytes read); widened to float32 for many | |
 | f32 | ``F.linear`` | |
 
-``gemv_kernel`` makes the choice once, when a layer is converted (a plain string is a constant
+``quantized_kernel`` makes the choice once, when a layer is converted (a plain string is a constant
 to torch.compile, and a first-call build must not happen inside a trace). The int4 and int5
 kernels have an AVX2 and an AVX-512 form; ``isa`` picks one (``ops.native.isa_code``).
 """
@@ -126,56 +126,53 @@ def _quantize_block(xb: torch.Tensor) -> torch.Tensor:
     return xq * step
 
 
+def _quantized_matmul(x: torch.Tensor, n_out: int, kernel: str, native_op, weight) -> torch.Tensor:
+    """``x [..., K]`` -> ``[..., n_out]``: ``native_op(x2)`` on ``x2 [M, K]`` where kernel is
+    "avx2" and x float32, else ``quantize_activations(x2) @ weight(x.dtype)^T`` in PyTorch."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if kernel == "avx2" and x.dtype == torch.float32:
+        y = native_op(x2)
+    else:
+        y = quantize_activations(x2) @ weight(x.dtype).T
+    return y.reshape(*shape[:-1], n_out)
+
+
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, kernel: str = "torch") -> torch.Tensor:
     """``x [..., K]`` -> ``quantize_activations(x) @ (q * scales)^T`` as ``[..., N]``.
 
     kernel "avx2" (float32 x only): longattn's kernel (``csrc/quant_gemm.cpp``). Otherwise
     PyTorch evaluates the same product in x's dtype (the fallback where the kernel cannot run).
     """
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if kernel == "avx2" and x.dtype == torch.float32:
-        y = torch.ops.longattn_cpu.int8_gemm(x2, q, scales, -1)
-    else:
-        y = quantize_activations(x2) @ dequantize_int8(q, scales, x.dtype).T
-    return y.reshape(*shape[:-1], q.shape[0])
+    return _quantized_matmul(x, q.shape[0], kernel, lambda x2: torch.ops.longattn_cpu.int8_gemm(x2, q, scales, -1),
+                             lambda dtype: dequantize_int8(q, scales, dtype))
 
 
 def int4_matmul(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
                 kernel: str = "torch", isa: str | None = None) -> torch.Tensor:
-    """``x [..., K]`` -> ``quantize_activations(x) @ dequantize_int4(codes, d, m)^T`` as ``[..., N]``.
-
-    kernel "avx2" (float32 x only): longattn's kernel. Otherwise PyTorch evaluates the same
-    product in x's dtype (the fallback where the kernel cannot run).
-    """
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if kernel == "avx2" and x.dtype == torch.float32:
-        y = torch.ops.longattn_cpu.int4_gemm(x2, codes, d, m, native.isa_code(isa))
-    else:
-        y = quantize_activations(x2) @ dequantize_int4(codes, d, m, x.dtype).T
-    return y.reshape(*shape[:-1], codes.shape[0])
+    """``x [..., K]`` -> ``quantize_activations(x) @ dequantize_int4(codes, d, m)^T`` as ``[..., N]``:
+    int8_matmul for 4-bit groups (``isa`` picks the kernel's form, ``ops.native.isa_code``)."""
+    return _quantized_matmul(
+        x, codes.shape[0], kernel, lambda x2: torch.ops.longattn_cpu.int4_gemm(x2, codes, d, m, native.isa_code(isa)),
+        lambda dtype: dequantize_int4(codes, d, m, dtype))
 
 
 def int5_matmul(x: torch.Tensor, codes: torch.Tensor, hbits: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
                 kernel: str = "torch", isa: str | None = None) -> torch.Tensor:
     """``x [..., K]`` -> ``quantize_activations(x) @ dequantize_int5(codes, hbits, d, m)^T`` as
     ``[..., N]``: int4_matmul for 5-bit codes (the same kernels and fallback)."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if kernel == "avx2" and x.dtype == torch.float32:
-        y = torch.ops.longattn_cpu.int5_gemm(x2, codes, hbits, d, m, native.isa_code(isa))
-    else:
-        y = quantize_activations(x2) @ dequantize_int5(codes, hbits, d, m, x.dtype).T
-    return y.reshape(*shape[:-1], codes.shape[0])
+    return _quantized_matmul(
+        x, codes.shape[0], kernel,
+        lambda x2: torch.ops.longattn_cpu.int5_gemm(x2, codes, hbits, d, m, native.isa_code(isa)),
+        lambda dtype: dequantize_int5(codes, hbits, d, m, dtype))
 
 
-def gemv_kernel(fmt: str) -> str:
-    """The kernel a layer stored as ``fmt`` ("int8", "int4" or "int5") runs: "avx2" where the
-    native kernels are built (building them on the first call), else "torch"."""
+def quantized_kernel() -> str:
+    """The kernel an int8, int4 or int5 layer runs: "avx2" where the native kernels are built
+    (building them on the first call), else "torch"."""
     return "avx2" if native.available() else "torch"
 
 
 def kernel_name() -> str:
     """The quantized matmul kernel in use, as benchmarks record it."""
-    return "longattn-avx2" if native.available() else "torch"
+    return "longattn-avx2" if quantized_kernel() == "avx2" else "torch"

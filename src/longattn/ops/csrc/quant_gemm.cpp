@@ -150,16 +150,17 @@ inline __m256i group_codes(const uint8_t* codes, const uint8_t* hb, int64_t j) {
   return u;
 }
 
-// 32 unsigned bytes u times 32 signed bytes at p: eight int32 partial dots, as float32 (exact).
-inline __m256 dot_bytes(__m256i u, const int8_t* p) {
-  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+inline __m256i load_bytes(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// 32 unsigned bytes u times 32 signed bytes x: eight int32 partial dots, as float32 (exact).
+inline __m256 dot_bytes(__m256i u, __m256i x) {
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
 }
 
 // The AVX2 form of group_dots' integer dot, for row_dot_512's last groups.
 template <bool kFive>
 inline __m256 group_dots(const uint8_t* codes, const uint8_t* hb, const int8_t* xq, int64_t j) {
-  return dot_bytes(group_codes<kFive>(codes, hb, j), xq + j * kGroup);
+  return dot_bytes(group_codes<kFive>(codes, hb, j), load_bytes(xq + j * kGroup));
 }
 
 // Weight row n of an int4 or int5 matrix against activation rows r0 .. r0 + R - 1, into
@@ -182,7 +183,8 @@ inline void group_tile(const QuantizedRows& a, int64_t r0, const uint8_t* codes,
   }
   auto add_group = [&](__m256* acc, __m256i u, int64_t j, const float (*scale)[8], int k) {
     for (int r = 0; r < R; ++r)
-      acc[r] = _mm256_fmadd_ps(dot_bytes(u, xq[r] + j * kGroup), _mm256_broadcast_ss(&scale[r][k]), acc[r]);
+      acc[r] = _mm256_fmadd_ps(dot_bytes(u, load_bytes(xq[r] + j * kGroup)), _mm256_broadcast_ss(&scale[r][k]),
+                               acc[r]);
   };
   int64_t g = 0;
   for (; g + 8 <= G; g += 8) {
@@ -231,11 +233,10 @@ inline void int8_tile(const QuantizedRows& a, int64_t r0, const int8_t* w, float
     acc0[r] = acc1[r] = _mm256_setzero_ps();
   }
   auto add_group = [&](__m256* acc, int64_t g) {
-    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * kGroup));
+    const __m256i wv = load_bytes(w + g * kGroup);
     const __m256i aw = _mm256_abs_epi8(wv);
     for (int r = 0; r < R; ++r) {
-      const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + g * kGroup)), wv);
-      const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), _mm256_set1_epi16(1)));
+      const __m256 dot = dot_bytes(aw, _mm256_sign_epi8(load_bytes(xq[r] + g * kGroup), wv));
       acc[r] = _mm256_fmadd_ps(dot, _mm256_broadcast_ss(dx[r] + g), acc[r]);
     }
   };
@@ -264,12 +265,16 @@ constexpr int kTileRows = 4;
 // thread's weight rows stream past them.
 constexpr int64_t kRowBlockBytes = 192 * 1024;
 
+// Weight rows per thread task: about 32 KiB of weights (row_bytes each).
+inline int64_t weight_grain(int64_t row_bytes) {
+  return std::max<int64_t>(1, (32 * 1024) / std::max<int64_t>(row_bytes, 1));
+}
+
 // Calls tile(R, r0, n) (R a std::integral_constant) for every weight row n and every tile of
-// activation rows, rows split across threads in blocks of about 32 KiB of weights
-// (row_bytes each).
+// activation rows, weight rows split across threads (weight_grain).
 template <class Tile>
 void for_tiles(int64_t M, int64_t N, int64_t K, int64_t row_bytes, const Tile& tile) {
-  const int64_t grain = std::max<int64_t>(1, (32 * 1024) / std::max<int64_t>(row_bytes, 1));
+  const int64_t grain = weight_grain(row_bytes);
   const int64_t block = std::max<int64_t>(kTileRows, kRowBlockBytes / std::max<int64_t>(K, 1) / kTileRows * kTileRows);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += block) {
@@ -412,7 +417,7 @@ at::Tensor group_gemm(const at::Tensor& x, const PackedGroups& w, int64_t isa) {
     // the AVX-512 form reads the activations with each group's halves apart (split_halves)
     std::vector<int8_t> xs2(M * K);
     for (int64_t r = 0; r < M; ++r) split_halves(a.q(r), G, xs2.data() + r * K);
-    at::parallel_for(0, N, std::max<int64_t>(1, (32 * 1024) / row_bytes), [&](int64_t n0, int64_t n1) {
+    at::parallel_for(0, N, weight_grain(row_bytes), [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n)
         for (int64_t r = 0; r < M; ++r)
           yp[r * N + n] = row_dot_512<kFive>(xs2.data() + r * K, a.q(r), w.codes + n * (K / 2),
