@@ -43,6 +43,15 @@ def test_top_p_keeps_smallest_nucleus():
     assert picks == {0, 1}  # 0.5 < 0.7 needs the second; 0.8 >= 0.7 stops there
 
 
+@pytest.mark.parametrize("temperature,top_p", [(1e-300, 1.0), (1e-45, 1.0), (1.0, 1e-300), (1e-300, 1e-300)])
+def test_extreme_temperature_and_top_p_pick_the_best_token(temperature, top_p):
+    """A vanishing temperature or nucleus is a near-greedy choice, not a NaN that fails
+    the step (a served request's sampling must not break the batch it runs in)."""
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(2)) * 30
+    g = torch.Generator().manual_seed(0)
+    assert torch.equal(sample(logits, SamplingConfig(temperature, top_p=top_p), g), logits.argmax(-1))
+
+
 def test_seed_reproducible_and_stop_tokens():
     m = tiny_model("llama")
     cfg = SamplingConfig(1.0, top_k=20, seed=7)

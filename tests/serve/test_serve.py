@@ -73,12 +73,13 @@ def checkpoint(served_dir):
     return ck, build_model(ck.config, ck.state_dict)
 
 
-def start_server(engine: Engine):
-    """uvicorn serving ``engine`` on a free 127.0.0.1 port in a thread -> (base url, stop)."""
+def start_server(engine: Engine, options=None):
+    """uvicorn serving ``engine`` (guarded by ``options``, a ServeOptions) on a free 127.0.0.1
+    port in a thread -> (base url, stop)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, NAME), log_level="warning", access_log=False))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, NAME, options), log_level="warning", access_log=False))
     th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
     for _ in range(500):
@@ -243,7 +244,8 @@ def test_bad_requests_answer_400_with_an_openai_error_body(server):
 def _open_stream(url, body):
     host, port = url.removeprefix("http://").split(":")
     c = http.client.HTTPConnection(host, int(port), timeout=60)
-    c.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}))
+    c.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True}),
+              headers={"Content-Type": "application/json"})
     r = c.getresponse()
     return c, r
 
@@ -285,7 +287,7 @@ def test_disconnects_free_blocks_and_a_full_queue_answers_429(server):
     # a non-stream request whose client leaves is cancelled too
     host, port = url.removeprefix("http://").split(":")
     c = http.client.HTTPConnection(host, int(port), timeout=60)
-    c.request("POST", "/v1/completions", body=json.dumps(long))
+    c.request("POST", "/v1/completions", body=json.dumps(long), headers={"Content-Type": "application/json"})
     assert _wait(lambda: engine.snapshot()["running"] == 1)
     c.sock.shutdown(socket.SHUT_RDWR)
     c.close()

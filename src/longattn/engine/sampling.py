@@ -59,7 +59,12 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: Optional[torch.Genera
     """Pick one token per row from ``logits [B, V]`` -> ``[B]`` int64."""
     if cfg.temperature == 0.0:
         return greedy(logits)
-    x = logits.float() / cfg.temperature
+    # The row maximum is subtracted before dividing, so a temperature as small as 1e-300 (0 in
+    # float32) gives 0 for the best tokens and -inf for the rest, a near-greedy choice, never
+    # inf - inf or 0 / 0 = NaN.
+    x = logits.float()
+    x = x - x.amax(dim=-1, keepdim=True)
+    x = torch.where(x == 0, x, x / cfg.temperature)
     if cfg.top_k > 0:
         kth = torch.topk(x, min(cfg.top_k, x.shape[-1]), dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -67,6 +72,7 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: Optional[torch.Genera
         sx, idx = torch.sort(x, dim=-1, descending=True)
         cum = torch.softmax(sx, dim=-1).cumsum(dim=-1)
         drop = cum - torch.softmax(sx, dim=-1) >= cfg.top_p  # keep the smallest set reaching top_p
+        drop[..., 0] = False  # the best token always stays (a top_p below float32's range drops none)
         sx = sx.masked_fill(drop, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter(-1, idx, sx)
     probs = torch.softmax(x, dim=-1)

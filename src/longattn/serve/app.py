@@ -4,6 +4,10 @@ Each completion request becomes an engine ``Request`` whose output arrives on an
 queue (the engine thread hands events over with ``call_soon_threadsafe``). A client that
 goes away -- a closed stream or an abandoned non-stream request -- is cancelled in the
 engine, which frees its blocks at the next step boundary. One log line per request.
+
+The event loop only moves bytes: parsing, templating and tokenization run on a small thread
+pool, so a client sending a huge prompt delays no other client's stream or /health. What a
+request must pass first (Host, API key, body size and type) is ``guard.Guard``.
 """
 
 from __future__ import annotations
@@ -13,45 +17,72 @@ import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Optional
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import LongattnError
 from ..engine.sampling import SamplingConfig
-from .batching import Engine, QueueFull, Request
+from .batching import Engine, QueueFull, Request, ShuttingDown
+from .guard import BodyTooLarge, Guard, ServeOptions, too_large
 from .metrics import render_metrics
 from .protocol import APIError, ChatRequest, CompletionRequest, Sampling, validation_message
 
 log = logging.getLogger("longattn.serve")
 
 
-def create_app(engine: Engine, model_id: str) -> FastAPI:
-    """A FastAPI app serving ``engine`` under the model name ``model_id``; its lifespan's end
-    drains the engine (requests in flight finish, then the engine thread stops)."""
+def create_app(engine: Engine, model_id: str, options: Optional[ServeOptions] = None):
+    """An ASGI app serving ``engine`` under the model name ``model_id``, guarded by ``options``
+    (``guard.ServeOptions``; the defaults: no API key, loopback Host names only, 4 MiB bodies).
+    Its lifespan's end drains the engine (requests in flight finish, then the engine thread
+    stops)."""
+    opt = options or ServeOptions()
+    work = ThreadPoolExecutor(opt.tokenizer_threads, thread_name_prefix="longattn-tokenize")
 
     @asynccontextmanager
     async def lifespan(app):
         yield
         await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+        work.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="longattn", lifespan=lifespan)
+    app = FastAPI(title="longattn", lifespan=lifespan, docs_url="/docs" if opt.docs else None,
+                  redoc_url=None, openapi_url="/openapi.json" if opt.docs else None)
     created = int(time.time())
 
     @app.exception_handler(APIError)
     async def _api_error(request: HTTPRequest, e: APIError):
-        if e.status == 400 or e.status == 404:
+        if e.status in (400, 404, 413):
             engine.metrics.requests["invalid"] += 1
         log.info("%s %s %d %s", request.method, request.url.path, e.status, e.message)
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: HTTPRequest, e: StarletteHTTPException):
+        # unknown routes and methods answer in OpenAI's error shape too
+        message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on "
+                   f"{request.url.path}"}.get(e.status_code, str(e.detail))
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        log.info("%s %s %d", request.method, request.url.path, e.status_code)
+        return JSONResponse(APIError(e.status_code, message, code=code).body(), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    async def off_loop(fn, *args):
+        """``fn(*args)`` on the tokenizer pool: CPU work that would stall every stream if run here."""
+        return await asyncio.get_running_loop().run_in_executor(work, fn, *args)
+
     async def parse(request: HTTPRequest, schema):
-        """The body as ``schema``, whatever the Content-Type says (curl -d sends a form type)."""
+        """The body as ``schema`` (its size and Content-Type are checked by the guard)."""
         try:
-            return schema.model_validate_json(await request.body())
+            raw = await request.body()
+        except BodyTooLarge:
+            raise APIError(413, too_large(opt.max_body), None, "body_too_large")
+        try:
+            return await off_loop(schema.model_validate_json, raw)
         except ValidationError as e:
             msg, param = validation_message(e.errors())
             raise APIError(400, msg, param)
@@ -77,6 +108,14 @@ def create_app(engine: Engine, model_id: str) -> FastAPI:
                            "model", "model_not_found")
         if not prompt:
             raise APIError(400, "the prompt is empty", "prompt")
+        if len(prompt) > opt.max_prompt_tokens:
+            raise APIError(400, f"the prompt has {len(prompt)} tokens; this server takes at most "
+                                f"{opt.max_prompt_tokens} (--max-prompt-tokens)", "messages", "context_length_exceeded")
+        if body.policy is not None:
+            for name in ("window", "sinks"):
+                if getattr(body.policy, name) > engine.cfg.max_context:
+                    raise APIError(400, f"policy.{name} must be at most the model's context, "
+                                        f"{engine.cfg.max_context}", f"policy.{name}")
         key = (body.policy.window, body.policy.sinks) if body.policy else ()
         max_tokens = body.max_tokens
         if max_tokens is None:
@@ -89,19 +128,30 @@ def create_app(engine: Engine, model_id: str) -> FastAPI:
             if max_tokens < 1:
                 raise APIError(400, f"the prompt ({len(prompt)} tokens) leaves no room in the model's "
                                     f"context of {engine.cfg.max_context} tokens", "messages", "context_length_exceeded")
-        return Request(prompt=prompt, max_tokens=max_tokens,
-                       sampling=SamplingConfig(body.temperature, 0, body.top_p, body.seed),
+        try:
+            sampling = SamplingConfig(body.temperature, 0, body.top_p, body.seed)
+        except LongattnError as e:
+            raise APIError(400, str(e))
+        return Request(prompt=prompt, max_tokens=max_tokens, sampling=sampling,
                        emit=None, stop=list(body.stop or []), policy_key=key, ignore_eos=body.ignore_eos)
 
     async def submit(req: Request) -> asyncio.Queue:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        req.emit = lambda kind, payload: loop.call_soon_threadsafe(q.put_nowait, (kind, payload))
+
+        def emit(kind, payload):
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, (kind, payload))
+            except RuntimeError:  # the event loop has closed: nobody is listening any more
+                pass
+        req.emit = emit
         try:
             engine.submit(req)
         except QueueFull as e:
             raise APIError(429, str(e), None, "rate_limit_exceeded", "rate_limit_error",
                            headers={"Retry-After": str(e.retry_after)})
+        except ShuttingDown as e:
+            raise APIError(503, str(e), None, "shutting_down", "server_error", headers={"Retry-After": "5"})
         except LongattnError as e:
             code = "context_length_exceeded" if "context" in str(e) else None
             raise APIError(400, str(e), None, code)
@@ -196,6 +246,7 @@ def create_app(engine: Engine, model_id: str) -> FastAPI:
                     done = True
                     log.info("POST %s 500 id=%s %s", path, req.id, payload)
                     yield f"data: {json.dumps(APIError(500, payload, kind='server_error').body())}\n\n"
+                    yield "data: [DONE]\n\n"
                     return
                 else:
                     done = True
@@ -217,7 +268,7 @@ def create_app(engine: Engine, model_id: str) -> FastAPI:
         if isinstance(p, list) and p and isinstance(p[0], str):
             p = p[0]
         if isinstance(p, str):
-            prompt = list(engine.tok(p)["input_ids"])
+            prompt = await off_loop(lambda: list(engine.tok(p)["input_ids"]))
         else:
             if any(t < 0 or t >= engine.cfg.vocab_size for t in p):
                 raise APIError(400, f"token ids must lie in [0, {engine.cfg.vocab_size})", "prompt")
@@ -230,11 +281,11 @@ def create_app(engine: Engine, model_id: str) -> FastAPI:
         from ..chat import chat_ids
         msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            prompt = chat_ids(engine.tok, msgs)
+            prompt = await off_loop(chat_ids, engine.tok, msgs)
         except LongattnError as e:
             raise APIError(400, str(e), "messages")
         except Exception as e:  # the template itself refused the conversation
             raise APIError(400, f"the chat template refused these messages: {e}", "messages")
         return await run(request, body, engine_request(body, prompt, default_max=None), "chat")
 
-    return app
+    return Guard(app, opt, engine.metrics.refused)

@@ -51,6 +51,13 @@ class QueueFull(Exception):
         self.retry_after = retry_after
 
 
+class ShuttingDown(Exception):
+    """The engine is draining or stopped and admits nothing new."""
+
+    def __init__(self):
+        super().__init__("the server is shutting down")
+
+
 @dataclass
 class EngineConfig:
     block_size: int = 16        # token slots per KV block
@@ -60,6 +67,7 @@ class EngineConfig:
     chunk: int = 256            # prefill tokens per step
     retain: int = 16            # finished streams kept for prefix reuse (0 = off)
     rewind: int = 64            # positions a windowed layer keeps beyond its window (PagedStream)
+    timeout: float = 0.0        # seconds a request may take from submission (0 = no limit)
 
     def __post_init__(self):
         check_int("--block-size", self.block_size, minimum=1)
@@ -69,6 +77,8 @@ class EngineConfig:
         check_int("--prefill-chunk", self.chunk, minimum=1)
         check_int("--prefix-cache", self.retain, minimum=0)
         check_int("--prefix-rewind", self.rewind, minimum=0)
+        if not (isinstance(self.timeout, (int, float)) and 0 <= self.timeout < float("inf")):
+            raise LongattnError(f"--request-timeout must be a finite number of seconds >= 0, got {self.timeout}")
 
 
 @dataclass
@@ -116,6 +126,7 @@ class Metrics:
 
     def __init__(self):
         self.requests = {"ok": 0, "error": 0, "rejected": 0, "cancelled": 0, "invalid": 0}
+        self.refused: dict = {}     # requests the HTTP guard refused, by reason (code)
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.prefix_queries = 0
@@ -151,6 +162,7 @@ class Engine:
         self._inbox: list = []
         self._cancel: set = set()
         self._stopping = False
+        self._abort: Optional[str] = None  # set: every request in flight ends with this error
         self.waiting: list = []
         self.running: list = []
         # request key -> (policy_key, tokens, stream). Keys, never ``id()``: a dropped request's
@@ -204,7 +216,7 @@ class Engine:
         req.t_submit = time.perf_counter()
         with self._cv:
             if self._stopping:
-                raise QueueFull(retry_after=5)
+                raise ShuttingDown()
             if self._queued_with(req) > self.config.max_queue:
                 self.metrics.requests["rejected"] += 1
                 raise QueueFull(retry_after=self._retry_after())
@@ -225,15 +237,24 @@ class Engine:
         return self
 
     def stop(self, drain: bool = True, timeout: Optional[float] = None) -> None:
-        """Stop the loop: after the running and queued requests finish when ``drain``."""
+        """Stop the loop: after the running and queued requests finish when ``drain`` (new ones
+        are refused from now on). A drain that passes ``timeout`` seconds ends each request still
+        in flight with an error (its client learns it was cut, never a silent end); without
+        ``drain`` they are cancelled at once."""
         with self._cv:
             self._stopping = True
             if not drain:
                 for r in self._inbox + self.waiting + self.running:
                     self._cancel.add(r.key)
             self._cv.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._thread is None:
+            return
+        self._thread.join(timeout)
+        if self._thread.is_alive() and drain and timeout is not None:
+            with self._cv:
+                self._abort = f"the server shut down before this request finished (drain timeout {timeout:g} s)"
+                self._cv.notify()
+            self._thread.join()
 
     def snapshot(self) -> dict:
         """Gauges for /metrics and /health."""
@@ -271,15 +292,22 @@ class Engine:
                 self.waiting.extend(self._inbox)
                 self._inbox.clear()
                 cancel, self._cancel = self._cancel, set()
+                abort = self._abort
                 if self._stopping and not (self.waiting or self.running):
                     return
+            if abort is not None:
+                for r in list(self.waiting) + list(self.running):
+                    self._finish(r, error=abort)
+                self.waiting.clear()
+                return
             t0 = time.perf_counter()
             try:
                 self._drop(cancel)
+                self._expire()
                 self._admit()
                 self._decode()
                 self._prefill()
-            except Exception as e:  # a failed step fails its requests, not the server
+            except Exception as e:  # outside any one request's step: fail those in flight, keep serving
                 log.exception("engine step failed")
                 for r in list(self.running):
                     self._finish(r, error=f"internal error: {type(e).__name__}: {e}")
@@ -298,6 +326,19 @@ class Engine:
             r.emit("done", r)
         for r in [r for r in self.running if r.key in cancel]:
             self._finish(r, reason="cancelled")
+
+    def _expire(self) -> None:
+        """End the requests that have run past the configured timeout (queued ones too)."""
+        limit = self.config.timeout
+        if not limit:
+            return
+        now = time.perf_counter()
+        msg = f"the request ran past the server's time limit of {limit:g} s (--request-timeout)"
+        for r in [r for r in self.waiting if now - r.t_submit > limit]:
+            self.waiting.remove(r)
+            self._finish(r, error=msg)
+        for r in [r for r in self.running if now - r.t_submit > limit]:
+            self._finish(r, error=msg)
 
     def _admit(self) -> None:
         while self.waiting:
@@ -359,19 +400,45 @@ class Engine:
         for key, rs in groups.items():
             self.metrics.decode_batch = len(rs)
             self.metrics.peak_decode_batch = max(self.metrics.peak_decode_batch, len(rs))
-            cache = PagedKVCache(self.cfg, self.pool, [r.stream for r in rs])
-            tokens = torch.tensor([[r.pending] for r in rs])          # [B, 1]
-            pos = cache.next_position()                                # [B, 1]
-            logits = self.model(tokens, pos, cache=cache, policy=rs[0].policy, logits="all")[:, 0]  # [B, V]
+            try:
+                logits = self._decode_rows(rs)                         # [B, V]
+            except Exception:
+                # Which row failed is unknown: each runs again alone, so a failure ends its own
+                # request only. Re-running is safe: a failed step moved no stream's next_pos, so
+                # its writes land in the same slots again.
+                log.exception("batched decode step failed; running its rows one by one")
+                for r in rs:
+                    self._guarded(r, lambda r=r: self._feed_and_take(r, self._decode_rows([r])))
+                continue
             for b, r in enumerate(rs):
-                r.fed.append(r.pending)
-                r.pending = None
-                self._take(r, logits[b:b + 1])
+                self._guarded(r, lambda r=r, b=b: self._feed_and_take(r, logits[b:b + 1]))
+
+    def _decode_rows(self, rs: list) -> torch.Tensor:
+        """One decode step over the requests ``rs`` (one pending token each) -> logits [B, V]."""
+        cache = PagedKVCache(self.cfg, self.pool, [r.stream for r in rs])
+        tokens = torch.tensor([[r.pending] for r in rs])               # [B, 1]
+        pos = cache.next_position()                                    # [B, 1]
+        return self.model(tokens, pos, cache=cache, policy=rs[0].policy, logits="all")[:, 0]
+
+    def _feed_and_take(self, r: Request, logits: torch.Tensor) -> None:
+        r.fed.append(r.pending)
+        r.pending = None
+        self._take(r, logits)
+
+    def _guarded(self, r: Request, work: Callable) -> None:
+        """Run ``work`` (one request's part of a step); a failure ends ``r`` alone with an error."""
+        try:
+            work()
+        except Exception as e:
+            log.exception("request %s failed", r.id)
+            self._finish(r, error=f"internal error: {type(e).__name__}: {e}")
 
     def _prefill(self) -> None:
         r = next((r for r in self.running if r.pending is None and r.finish_reason is None), None)
-        if r is None:
-            return
+        if r is not None:
+            self._guarded(r, lambda: self._prefill_chunk(r))
+
+    def _prefill_chunk(self, r: Request) -> None:
         start = len(r.fed)
         part = r.prompt[start:start + self.config.chunk]
         cache = PagedKVCache(self.cfg, self.pool, [r.stream])

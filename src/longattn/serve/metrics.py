@@ -17,6 +17,9 @@ def render_metrics(engine) -> str:
     out: list = []
     out += _family("longattn_requests_total", "counter", "Completion requests by outcome.",
                    [({"outcome": k}, v) for k, v in sorted(m.requests.items())])
+    out += _family("longattn_refused_requests_total", "counter", "Requests refused before any route ran "
+                   "(Host, API key, body type or size), by reason.",
+                   [({"reason": k}, v) for k, v in sorted(m.refused.items())])
     out += _family("longattn_prompt_tokens_total", "counter", "Prompt tokens of admitted requests.",
                    [({}, m.prompt_tokens)])
     out += _family("longattn_generation_tokens_total", "counter", "Tokens generated.", [({}, m.generation_tokens)])

@@ -1,8 +1,11 @@
 """OpenAI request bodies (what the server accepts) and error bodies (what it answers).
 
 Unknown fields are refused (``extra="forbid"``): a parameter the server would ignore is a
-400 naming it, never a silently different answer. OpenAI parameters with no effect here are
-accepted only at their neutral values (``n=1``, penalties 0, no logprobs).
+400 naming it, never a silently different answer. Types are strict (``"stream": "yes"`` or
+``"max_tokens": true`` are 400s, not coerced), and every number is bounded to what the engine
+runs, so a request that passes here cannot fail the shared step it joins. OpenAI parameters
+with no effect here are accepted only at their neutral values (``n=1``, penalties 0, no
+logprobs).
 """
 
 from __future__ import annotations
@@ -10,6 +13,9 @@ from __future__ import annotations
 from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+MAX_STOP_CHARS = 256  # each stop string is searched for on every generated token
 
 
 class APIError(Exception):
@@ -27,7 +33,7 @@ class APIError(Exception):
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class PolicyOverride(Strict):
@@ -47,7 +53,7 @@ class Sampling(Strict):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(default=None, ge=0, lt=2 ** 64)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     n: int = 1
@@ -73,6 +79,8 @@ class Sampling(Strict):
             raise ValueError("at most 4 stop sequences")
         if any(not s for s in stops):
             raise ValueError("stop sequences must not be empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop sequences must be at most {MAX_STOP_CHARS} characters")
         return stops
 
     @model_validator(mode="after")
