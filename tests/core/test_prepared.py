@@ -8,6 +8,7 @@ gets its own entry; a hit never reads the float32 weights.
 
 from __future__ import annotations
 
+import errno
 import os
 import warnings
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 
 from conftest import tiny_dir
 from longattn.checkpoint import load_checkpoint
+from longattn.checkpoint.paths import CacheWriteError
 from longattn.checkpoint.prepared import MODEL_FILE, prepared_model
 from longattn.errors import LongattnError
 from longattn.models import build_model
@@ -146,6 +148,76 @@ def test_a_damaged_entry_is_prepared_again(cache):
                              progress=False)
     assert any("damaged" in str(x.message) for x in w)
     assert torch.equal(got(IDS), want)
+
+
+def test_a_byte_changed_in_place_is_caught_on_every_load(cache):
+    """Damage that keeps the file's size and mtime, which no memo keyed by them can see, is
+    caught by the checksum each load checks: a warning, and the entry is prepared again."""
+    from longattn.models.prepared import from_prepared
+    d = tiny_dir("llama")
+    ck = load_checkpoint(d, with_tokenizer=False)
+    want = build_model(ck.config, ck.state_dict, weights="int8")(IDS)
+    for _ in range(2):  # written, then mapped (and checked) once
+        prepared_model(load_checkpoint(d, with_tokenizer=False, read_weights=False), "int8", progress=False)
+    (entry,) = _entries(cache)
+    f = entry / MODEL_FILE
+    st = f.stat()
+    row = torch.load(f)["model.layers.0.self_attn.qkv.qweight"][5].numpy().tobytes()
+    where = f.read_bytes().index(row) + 7  # one int8 weight of layer 0's q projection
+    with open(f, "r+b") as fh:
+        fh.seek(where)
+        byte = fh.read(1)[0]
+        fh.seek(where)
+        fh.write(bytes([byte ^ 0x40]))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (f.stat().st_size, f.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    damaged = from_prepared(ck.config, torch.load(f), "int8")
+    assert not torch.equal(damaged(IDS), want), "the damage would not change the output"
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = prepared_model(load_checkpoint(d, with_tokenizer=False, read_weights=False), "int8",
+                             progress=False)
+    assert [x for x in w if "are damaged" in str(x.message) and "preparing again" in str(x.message)]
+    assert torch.equal(got(IDS), want)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        again = prepared_model(load_checkpoint(d, with_tokenizer=False, read_weights=False), "int8",
+                               progress=False)
+    assert not [x for x in w if "damaged" in str(x.message)] and torch.equal(again(IDS), want)
+
+
+class _Full:
+    """A file on a disk that is full (or a quota spent, or read-only): every write fails."""
+
+    def __init__(self, f, code: int):
+        self.f, self.code = f, code
+
+    def write(self, data):
+        raise OSError(self.code, os.strerror(self.code))
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES])
+def test_a_failed_write_while_preparing_is_one_error_naming_the_cache(cache, monkeypatch, code):
+    """torch.save's writes fail as a full disk's would: one CacheWriteError naming the cache
+    directory and LONGATTN_CACHE (and the free space where room is the trouble), nothing left."""
+    real = torch.save
+
+    def save(obj, f, **kw):  # torch.save as ever, onto a disk that takes no more
+        if isinstance(f, (str, os.PathLike)):
+            with open(f, "wb") as fh:
+                return real(obj, _Full(fh, code), **kw)
+        return real(obj, _Full(f, code), **kw)
+    monkeypatch.setattr(torch, "save", save)
+    with pytest.raises(CacheWriteError) as e:
+        prepared_model(load_checkpoint(tiny_dir("llama"), with_tokenizer=False, read_weights=False), "int8",
+                       progress=False)
+    msg = str(e.value)
+    assert "\n" not in msg and f"into the cache directory {cache}:" in msg and "LONGATTN_CACHE" in msg
+    assert os.strerror(code) in msg and (("free there" in msg) == (code in (errno.ENOSPC, errno.EDQUOT)))
+    assert _entries(cache) == [] and not list(cache.rglob(".tmp-*"))
 
 
 def test_state_of_another_model_is_refused():

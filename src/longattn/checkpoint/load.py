@@ -12,7 +12,10 @@ tensor the model needs, nothing else) and the run has read every weight value an
 the entry is then written into a temporary directory and renamed into place, so an
 interrupted or failed conversion leaves nothing behind, and a second process converting the
 same file keeps the entry the first put there (see paths.atomic_dir). The entry records the SHA-256 of its files; one that no longer matches
-(damaged on disk) is converted again, with a warning, rather than used.
+(damaged on disk) is converted again, with a warning, rather than used. A run holds the entry
+(paths.hold_entry) while it reads it, and a bundled model's source assembled in the cache for
+as long as the checkpoint lives (its weights are read from it whenever they are prepared), so
+clearing the cache never takes a file from under a run.
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ from typing import Any, Callable
 
 from ..config import ModelConfig
 from ..errors import LongattnError
-from .bundled import resolve_model
+from .bundled import BUNDLED, resolve_model
 from .digest import content_digest, remember_digest
-from .paths import atomic_dir, cache_root, remove_path, temp_prefix
+from .paths import atomic_dir, cache_root, hold_entry, remove_path, temp_prefix
 from .tokenizer import checkpoint_tokenizer, load_tokenizer
 
 CONVERTER_VERSION = "4"  # bump when the converted layout or config reading changes
@@ -181,14 +184,42 @@ def load_checkpoint(name_or_path: str, progress: bool = True, with_tokenizer: bo
 
     Raises LongattnError (one clear line) for a missing, truncated or unsupported checkpoint.
     """
-    ck = _open_checkpoint(name_or_path, progress, with_tokenizer)
+    name, src, hold = _resolve_held(name_or_path)
+    ck = _open_checkpoint(name, src, progress, with_tokenizer)
+    if hold is not None:
+        hold.keep_for(ck)
     if read_weights:
         ck.state_dict  # noqa: B018 -- read now, so a damaged file fails here
     return ck
 
 
-def _open_checkpoint(name_or_path: str, progress: bool, with_tokenizer: bool) -> LoadedCheckpoint:
+def _resolve_held(name_or_path: str) -> tuple:
+    """``(name, source, hold)``: resolve_model's answer, with a hold on the source where it lies
+    in the cache (a bundled model's parts assembled there), else None."""
     name, src = resolve_model(name_or_path)
+    if name_or_path not in BUNDLED or not src.is_relative_to(cache_root()):
+        return name, src, None
+    hold = hold_entry(src)
+    if hold is None:  # the cache was cleared meanwhile: assembled again
+        name, src = resolve_model(name_or_path)
+        hold = hold_entry(src)
+    return name, src, hold
+
+
+def _conversion_usable(target: Path) -> bool:
+    """``target`` is a complete, intact converted entry; a damaged one is taken out (with a
+    warning)."""
+    if not _complete(target):
+        return False
+    if entry_intact(target):
+        return True
+    warnings.warn(f"converted cache entry {target} is damaged (its checksum does not match); "
+                  "converting again", stacklevel=4)
+    discard_entry(target)
+    return False
+
+
+def _open_checkpoint(name: str, src: Path, progress: bool, with_tokenizer: bool) -> LoadedCheckpoint:
     if src.is_dir():
         from .hf_dir import HFWeights, hf_dir_config, hf_dir_weight_files
         cfg = hf_dir_config(src)
@@ -206,24 +237,25 @@ def _open_checkpoint(name_or_path: str, progress: bool, with_tokenizer: bool) ->
     digest = content_digest([src], remember=False)
     bar = f"dequantizing {src.name}" if progress else None
     target = cache_root() / "converted" / cache_key(digest)
-    if _complete(target) and not entry_intact(target):
-        warnings.warn(f"converted cache entry {target} is damaged (its checksum does not match); "
-                      "converting again", stacklevel=2)
-        discard_entry(target)
-    if not _complete(target):
+    hold = hold_entry(target)  # held while its config and tokenizer are read
+    if hold is not None and not _conversion_usable(target):
+        hold.close()
+        hold = None
+    if hold is None:
         cfg, weights, tok, commit = _convert_gguf(src, target, digest)
         ck = LoadedCheckpoint(name, src, cfg, tok if with_tokenizer else None, lambda: weights, target.name, bar)
         ck.pending_entry = commit
         return ck
-    remember_digest([src], digest)
-    try:
-        cfg = ModelConfig.from_dict(json.loads((target / "config.json").read_text()))
-    except Exception as e:
-        raise LongattnError(f"converted cache entry {target} is damaged ({e}); delete it and retry") from None
-    tok = None
-    if with_tokenizer:
-        tok = checkpoint_tokenizer(target / "tokenizer", what=f"the converted cache entry {target} "
-                             "(delete it and retry)")
+    with hold:
+        remember_digest([src], digest)
+        try:
+            cfg = ModelConfig.from_dict(json.loads((target / "config.json").read_text()))
+        except Exception as e:
+            raise LongattnError(f"converted cache entry {target} is damaged ({e}); delete it and retry") from None
+        tok = None
+        if with_tokenizer:
+            tok = checkpoint_tokenizer(target / "tokenizer", what=f"the converted cache entry {target} "
+                                       "(delete it and retry)")
 
     def weights():
         from .gguf_file import open_gguf

@@ -10,20 +10,29 @@ by the next run, and two processes filling the same entry both succeed:
   discarded, since entries are keyed by content and so hold the same thing;
 - an unusable ``$LONGATTN_CACHE`` (a file, under a file, read-only) is noticed before any
   slow work: the run falls back to a private temporary cache with one warning, or refuses
-  when there is none.
+  when there is none;
+- a write that fails for want of room or permission (a full disk, a quota, a read-only or
+  foreign directory) ends in one CacheWriteError naming the cache directory, its free space
+  and ``LONGATTN_CACHE``, with the temporary removed;
+- a process reading an entry holds a shared lock on it (``hold_entry``) for as long as it uses
+  the entry's files, and ``clear_cache`` leaves such entries, and temporaries of live
+  processes, in place: clearing never pulls a file from under a running process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
+import re
 import shutil
 import socket
 import stat
 import tempfile
 import time
 import warnings
+import weakref
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -197,18 +206,106 @@ def cache_root() -> Path:
     return root
 
 
+class CacheWriteError(LongattnError, OSError):
+    """Writing into the cache failed for want of room or permission (``errno`` says which);
+    the message names the cache directory and what to do. An OSError too, so callers that
+    fall back on a failed write (the native kernels' build) still do."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.errno = code
+
+
+# Why a write into the cache can fail that the user, not longattn, has to change.
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES)
+
+
+def _write_errno(e: BaseException) -> Optional[int]:
+    """The errno of a failed write: an OSError's, or the ``(os error N)`` that libraries written
+    in Rust (tokenizers) put in their message."""
+    if isinstance(e, OSError):
+        return e.errno
+    m = re.search(r"\(os error (\d+)\)", str(e))
+    return int(m.group(1)) if m else None
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def _write_failure(target: Path, code: int) -> str:
+    """One line: what could not be written where, and how to give the cache room."""
+    root = next((r for r in (configured_cache(), *_roots.values()) if target.is_relative_to(r)), target.parent)
+    what, why = target.relative_to(root), os.strerror(code)
+    if code in _NO_ROOM:
+        try:
+            free = _size(shutil.disk_usage(root).free)
+        except OSError:
+            free = "unknown"
+        return (f"cannot write {what} into the cache directory {root}: {why} ({free} free there); "
+                "free some space, or set LONGATTN_CACHE to a directory with room")
+    return (f"cannot write {what} into the cache directory {root}: {why}; "
+            "set LONGATTN_CACHE to a writable directory")
+
+
+def _elsewhere(e: BaseException, target: Path) -> bool:
+    """``e`` names a file outside ``target``'s directory (a source read while writing it)."""
+    name = getattr(e, "filename", None)
+    return isinstance(name, (str, os.PathLike)) and \
+        not Path(os.path.abspath(name)).is_relative_to(os.path.abspath(target.parent))
+
+
+@contextlib.contextmanager
+def _cache_write(target: Path):
+    """Turn a failed write into ``target`` for want of room or permission into one
+    CacheWriteError; any other error passes unchanged."""
+    try:
+        yield
+    except LongattnError:
+        raise
+    except Exception as e:
+        code = _write_errno(e)
+        if code not in _NO_ROOM + _NOT_WRITABLE or _elsewhere(e, target):
+            raise
+        raise CacheWriteError(_write_failure(target, code), code) from None
+
+
+def _temporary(parent: Path, make: Callable[[Path], Path]) -> Path:
+    """``make(parent)``: a new temporary in ``parent``, which is created first."""
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        return make(parent)
+    except FileNotFoundError:  # clear_cache removed ``parent`` (empty) in between: once more
+        parent.mkdir(parents=True, exist_ok=True)
+        return make(parent)
+
+
+def _temp_file(parent: Path) -> Path:
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(), dir=parent)
+    os.close(fd)
+    return Path(tmp)
+
+
+def _temp_dir(parent: Path) -> Path:
+    return Path(tempfile.mkdtemp(prefix=temp_prefix(), dir=parent))
+
+
 @contextlib.contextmanager
 def atomic_write_path(target: Path):
-    """Yield a temporary path next to ``target``; rename it into place only on success."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(), dir=target.parent)
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    """Yield a temporary path next to ``target``; rename it into place only on success.
+
+    Raises:
+        CacheWriteError: no room or no permission to write (the temporary is removed).
+    """
+    with _cache_write(target):
+        tmp = _temporary(target.parent, _temp_file)
+        try:
+            yield tmp
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
 
 
 def publish_dir(tmp: Path, target: Path, complete: Callable[[Path], bool]) -> None:
@@ -235,15 +332,18 @@ def atomic_dir(target: Path, complete: Optional[Callable[[Path], bool]] = None):
 
     ``complete(path)`` says whether an existing ``target`` is a finished entry (default: it
     exists); a finished one is kept and the new one discarded (see ``publish_dir``).
+
+    Raises:
+        CacheWriteError: no room or no permission to write (the temporary is removed).
     """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(), dir=target.parent))
-    try:
-        yield tmp
-        publish_dir(tmp, target, complete or (lambda p: p.exists()))
-    finally:
-        if tmp.exists():
-            remove_path(tmp)
+    with _cache_write(target):
+        tmp = _temporary(target.parent, _temp_dir)
+        try:
+            yield tmp
+            publish_dir(tmp, target, complete or (lambda p: p.exists()))
+        finally:
+            if tmp.exists():
+                remove_path(tmp)
 
 
 def _existing_cache() -> Optional[Path]:
@@ -274,24 +374,128 @@ def cache_usage() -> dict:
     return out
 
 
-def clear_cache() -> int:
-    """Delete everything under the configured cache dir; returns the bytes freed. Every
-    entry is rebuilt on demand (conversions take tens of seconds per model, the kernels
-    about half a minute).
+class EntryHold:
+    """A shared lock on one cache entry (a directory or a file), held while this process uses
+    the entry's files: ``clear_cache`` leaves a held entry in place. Released by ``close()``,
+    when ``keep_for``'s user is collected, or when the process ends, however it ends."""
+
+    def __init__(self, fd: Optional[int]):
+        # closes once, whichever comes first; None: an entry that could not be opened to lock
+        self._closer = None if fd is None else weakref.finalize(self, os.close, fd)
+
+    def close(self) -> None:
+        if self._closer is not None:
+            self._closer()
+
+    def keep_for(self, user) -> None:
+        """Hold the entry as long as ``user`` lives (a model mapping the entry's files, a
+        checkpoint that reads its source lazily)."""
+        weakref.finalize(user, self.close)
+
+    def __enter__(self) -> "EntryHold":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def hold_entry(entry: Path) -> Optional[EntryHold]:
+    """A shared lock on the cache entry ``entry``, or None when there is none there (missing,
+    or taken out by ``clear_cache`` while the lock was awaited). On a filesystem without
+    locks the hold guards nothing, and the entry is used as it is."""
+    import fcntl
+    try:
+        fd = os.open(entry, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError:  # there but not ours to open: its readers say why
+        return EntryHold(None) if os.path.lexists(entry) else None
+    hold = EntryHold(fd)
+    with contextlib.suppress(OSError):  # waits only while clear_cache moves the entry aside
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    try:
+        now = os.stat(entry)
+    except FileNotFoundError:
+        now = None
+    held = os.fstat(fd)
+    if now is None or (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+        hold.close()  # what we locked was taken out (and perhaps replaced) meanwhile
+        return hold_entry(entry) if now is not None else None
+    return hold
+
+
+def _take_out(entry: Path, into: Path) -> bool:
+    """Move the cache entry ``entry`` to ``into`` unless a live process uses it: a temporary
+    it is writing, or an entry it holds (``hold_entry``). Returns whether it was kept."""
+    import fcntl
+    if entry.name.startswith(TMP_PREFIX) and not _stale(entry):
+        return True
+    try:  # no links followed, no FIFO waited on
+        fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        fd = None  # a link or an unreadable file: nothing can hold it
+    try:
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            except OSError:
+                pass  # a filesystem without locks: removed as before
+        with contextlib.suppress(FileNotFoundError):  # gone already: another clear
+            os.rename(entry, into)
+        return False
+    finally:
+        if fd is not None:
+            os.close(fd)  # a reader waiting on the entry finds it gone (hold_entry)
+
+
+def _bytes_under(p: Path) -> int:
+    files = [p] if p.is_file() else [f for f in p.rglob("*") if f.is_file()]
+    return sum(f.lstat().st_size for f in files)
+
+
+def clear_cache() -> tuple:
+    """Delete what the configured cache holds but the entries running processes use;
+    returns ``(bytes freed, kept)``, ``kept`` naming those left (relative to the cache dir).
+
+    An entry a process reads (``hold_entry``) or writes (a temporary of a live process) is
+    kept: removing it would break that run, and a file still mapped frees no space anyway.
+    Everything removed is rebuilt on demand (conversions take tens of seconds per model, the
+    kernels about half a minute).
 
     Raises:
         LongattnError: the cache cannot be written (checked before anything is deleted).
     """
     root = _existing_cache()
     if root is None:
-        return 0
+        return 0, []
     why = cache_problem(root)
     if why is not None:
         raise LongattnError(f"cannot clear the cache: {why}")
-    freed = sum(cache_usage().values())
-    for d in root.iterdir():
-        remove_path(d)
-    return freed
+    aside = _temp_dir(root)  # entries are moved here at once, then deleted
+    kept, n = [], 0
+    try:
+        for top in sorted(root.iterdir()):
+            if top == aside:
+                continue
+            # each top-level directory (converted, prepared, sources...) holds entries
+            holds = top.is_dir() and not top.is_symlink() and not top.name.startswith(TMP_PREFIX)
+            try:
+                entries = sorted(top.iterdir()) if holds else [top]
+            except FileNotFoundError:  # taken out by another clear
+                continue
+            for entry in entries:
+                n += 1
+                if _take_out(entry, aside / str(n)):
+                    kept.append(str(entry.relative_to(root)))
+            if holds:
+                with contextlib.suppress(OSError):  # stays while it keeps an entry
+                    top.rmdir()
+        freed = _bytes_under(aside)
+    finally:
+        remove_path(aside)
+    return freed, kept
 
 
 class LockTimeout(Exception):

@@ -13,7 +13,8 @@ def add_parser(sub) -> None:
     p.add_argument("--cache", action="store_true",
                    help="also show what $LONGATTN_CACHE holds (conversions, oracle copies, kernels)")
     p.add_argument("--clear-cache", action="store_true",
-                   help="delete everything under $LONGATTN_CACHE (rebuilt on demand) and exit")
+                   help="delete everything under $LONGATTN_CACHE (rebuilt on demand) but the entries "
+                        "running processes use, and exit")
     add_json_arg(p)
     p.set_defaults(func=run)
 
@@ -21,9 +22,13 @@ def add_parser(sub) -> None:
 def _clear_cache() -> dict:
     from ..checkpoint.paths import clear_cache, configured_cache
     root = str(configured_cache())
-    freed = clear_cache()
+    freed, kept = clear_cache()
     print(f"cleared {root}: {freed / 2**30:.2f} GiB freed")
-    return {"cache_dir": root, "freed_bytes": freed}
+    doc = {"cache_dir": root, "freed_bytes": freed}
+    if kept:
+        print(f"kept {len(kept)} in use by running processes (clear again once they end): {', '.join(kept)}")
+        doc["kept_in_use"] = kept
+    return doc
 
 
 def _cache_report() -> dict:
