@@ -16,9 +16,12 @@ def _vocab() -> list:
 
 
 def write_tiny_gguf(path: Path, seed: int = 0, context: int = SIZES["context"],
-                    quantized: bool = True, mlp_type: str = "Q8_0", attn_type: str | None = None) -> Path:
+                    quantized: bool = True, mlp_type: str = "Q8_0", attn_type: str | None = None,
+                    rope_dims: int | None = None) -> Path:
     """Write the tiny model to ``path``; the MLP matrices are ``mlp_type`` (a GGML block type)
-    when ``quantized``, the attention projections ``attn_type`` when given (float32 otherwise)."""
+    when ``quantized``, the attention projections ``attn_type`` when given (float32 otherwise);
+    ``rope_dims``: the header's ``llama.rope.dimension_count`` (as llama.cpp's converter writes
+    it), absent when None."""
     import gguf
     s = SIZES
     rng = np.random.default_rng(seed)
@@ -31,6 +34,8 @@ def write_tiny_gguf(path: Path, seed: int = 0, context: int = SIZES["context"],
     w.add_head_count(s["heads"])
     w.add_head_count_kv(s["kv_heads"])
     w.add_rope_freq_base(10000.0)
+    if rope_dims is not None:
+        w.add_rope_dimension_count(rope_dims)
     w.add_layer_norm_rms_eps(1e-5)
     vocab = _vocab()
     w.add_tokenizer_model("gpt2")

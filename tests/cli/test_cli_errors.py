@@ -56,7 +56,7 @@ def test_heads_not_divisible(tmp_path):
     (["--weights", "f32+int8:qkv"], "formats per kind"),
     (["--weights", "int4+int9:qkv"], "bad recipe part"),
     (["--policy", "sparse", "--sparse-outliers", "-1"], "outliers must be >= 0"),
-    (["--policy", "sparse", "--sparse-probe", "-2"], "probe_dims must be >= 0"),
+    (["--policy", "sparse", "--sparse-probe", "-2"], "--sparse-probe must be >= 0"),
     (["--policy", "sparse", "--sparse-tolerance", "0"], "tolerance must be > 0"),
 ])
 def test_impossible_settings(tmp_path, args, needle):

@@ -130,6 +130,70 @@ def test_kernel_build_out_of_time_falls_back_cleanly(cache, tmp_path):
     assert not build_dir.exists() and not stale_temporaries(cache) and _lock_is_free(build_dir)
 
 
+# A compiler whose compile step never ends: it records its pid, then waits (as a cc1plus on a
+# large source does for minutes). Other calls (torch asks for its version) go to the real one.
+ENDLESS_CXX = """#!/bin/sh
+for a in "$@"; do
+  if [ "$a" = "-c" ]; then echo $$ >> "$LONGATTN_TEST_COMPILERS"; exec sleep 600; fi
+done
+exec {real} "$@"
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie, dead but not yet reaped, is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _as_in_a_terminal() -> None:
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a runner in the background may have it ignored
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the compiler dies with its parent on Linux")
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM", "SIGINT"])
+def test_killed_build_takes_its_compilers_with_it(cache, tmp_path, sig):
+    """A build killed while ninja's compiler runs: the compiler (in a process group of ninja's,
+    which a signal to the build's group does not reach) is gone within seconds, not minutes."""
+    import shutil
+    import signal
+    real = shutil.which("c++") or shutil.which("g++")
+    if real is None or shutil.which("ninja") is None:
+        pytest.skip("needs a C++ compiler and ninja")
+    fake = tmp_path / "bin" / "g++"  # a name torch's compiler check accepts as it is
+    fake.parent.mkdir()
+    fake.write_text(ENDLESS_CXX.format(real=real))
+    fake.chmod(0o755)
+    pids = tmp_path / "compilers"
+    env = dict(os.environ, LONGATTN_CACHE=str(cache), CXX=str(fake), LONGATTN_TEST_COMPILERS=str(pids),
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    build = subprocess.Popen([sys.executable, "-c", BUILD, _spec(tmp_path).sources[0], cache / "kernels" / "t"],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             preexec_fn=_as_in_a_terminal)
+    compiler = None
+    try:
+        deadline = time.monotonic() + 120
+        while compiler is None and time.monotonic() < deadline and build.poll() is None:
+            time.sleep(0.1)
+            compiler = int(pids.read_text().split()[0]) if pids.exists() and pids.read_text().strip() else None
+        assert compiler is not None and _running(compiler), "the build never reached its compiler"
+        build.send_signal(getattr(signal, sig))
+        build.wait(timeout=60)
+        deadline = time.monotonic() + 20
+        while _running(compiler) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(compiler), f"the compiler outlived the build killed by {sig}"
+    finally:
+        if build.poll() is None:
+            build.kill()
+            build.wait()
+        if compiler is not None and _running(compiler):
+            os.kill(compiler, signal.SIGKILL)
+
+
 def test_waiting_for_a_live_builder_times_out_with_its_name(cache, tmp_path, capfd):
     build_dir = cache / "kernels" / "busy"
     with paths.held_lock(build_dir.parent / "busy.lock", timeout=1):

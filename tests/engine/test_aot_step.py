@@ -28,6 +28,18 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
+@pytest.fixture()
+def torch_temporaries(tmp_path, monkeypatch):
+    """Where torch puts temporaries unless told otherwise, pointed at empty directories of this
+    test: ``$TMPDIR`` (the C++ loader unpacks a package there, the compiler writes there) and
+    ``TORCHINDUCTOR_CACHE_DIR``; returns a function listing what they hold."""
+    tmp, inductor = tmp_path / "tmp", tmp_path / "inductor"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor))
+    return lambda: sorted(str(p) for d in (tmp, inductor) if d.exists() for p in d.rglob("*"))
+
+
 def entries(cache):
     d = cache / "steps"
     return sorted(p.name for p in d.iterdir()) if d.exists() else []
@@ -94,7 +106,9 @@ def test_one_package_serves_every_length_and_entries_are_keyed_by_what_the_code_
     assert len(keys | {other_cpu, other_threads}) == 6
 
 
-def test_killed_build_leaves_nothing_and_a_damaged_entry_is_rebuilt(cache, monkeypatch):
+def test_killed_build_leaves_nothing_and_a_damaged_entry_is_rebuilt(cache, monkeypatch, torch_temporaries):
+    """Also: a build and a load leave nothing of torch's outside the cache (its inductor cache,
+    the unpacked package), nor any temporary inside it, while the loaded step runs on."""
     m, _ = tiny_formats("llama", "int8")
     pol = AttentionPolicy.build(m.config, "window", window=5, sinks=2)
 
@@ -106,8 +120,11 @@ def test_killed_build_leaves_nothing_and_a_damaged_entry_is_rebuilt(cache, monke
             StaticDecoder(m, pol, max_len=16, compile="aot")
     assert entries(cache) == []  # nothing half-written in place (atomic_dir)
     dec = StaticDecoder(m, pol, max_len=16, compile="aot")
+    assert torch_temporaries() == [] and len(entries(cache)) == 1  # built, loaded, no .tmp-* left
     ids = ids_for(1, T=8, seed=1)
     first = decode_logits(dec, ids, 4)
+    assert torch.equal(decode_logits(StaticDecoder(m, pol, max_len=16, compile="aot"), ids, 4), first)
+    assert torch_temporaries() == [] and len(entries(cache)) == 1  # loaded again: nothing more
     step = cache / "steps" / entries(cache)[0] / aot_step.STEP_FILE
     data = bytearray(step.read_bytes())
     data[len(data) // 2] ^= 0xFF

@@ -123,6 +123,9 @@ def resolve_model(name_or_path: str) -> tuple[str, Path]:
         return name_or_path, bundled_path(name_or_path)
     p = Path(os.path.expanduser(name_or_path))
     if p.exists():
+        if not (p.is_file() or p.is_dir()):  # reading a FIFO waits for a writer, a device never ends
+            raise LongattnError(f"{name_or_path} is neither a regular file nor a directory (a pipe, device "
+                                "or socket); pass a .gguf file or an HF model directory")
         return p.name, p
     if os.sep in name_or_path or name_or_path.endswith(".gguf"):
         raise LongattnError(f"checkpoint not found: {name_or_path}")

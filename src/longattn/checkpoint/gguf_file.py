@@ -99,12 +99,11 @@ def read_gguf_config(reader, path: Path) -> ModelConfig:
     if isinstance(n_kv, list):
         n_kv = max(n_kv)
     n_kv = int(n_kv)
-    head_dim = int(a("attention.key_length", 0) or (hidden // n_heads if n_heads else 0))
+    head_dim, source = _head_size(arch, path, hidden, n_heads, n_kv, int(a("attention.key_length", 0) or 0))
     theta = float(a("rope.freq_base", GEMMA2_ROPE_THETA if arch == "gemma2" else 10000.0))
     rot = a("rope.dimension_count")
     if rot is not None and int(rot) != head_dim:
-        raise LongattnError(f"{path.name}: rope on {rot} of {head_dim} head dimensions (partial rotary) "
-                            "is not implemented")
+        _refuse_rotary(reader, arch, path, int(rot), head_dim, source, n_kv)
     names = {t.name for t in reader.tensors}
     vocab = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields \
         else int(a("vocab_size"))
@@ -146,6 +145,44 @@ def read_gguf_config(reader, path: Path) -> ModelConfig:
         # Gemma 3's chat turns end with <end_of_turn> (id 106) as well as <eos>.
         kw["eos_token_ids"] = sorted(set(kw["eos_token_ids"]) | {106})
     return ModelConfig(**kw)
+
+
+def _corrupt(path: Path, msg: str) -> LongattnError:
+    return LongattnError(f"{path.name}: {msg}; the header is corrupt: re-download or re-convert it")
+
+
+def _head_size(arch: str, path: Path, hidden: int, n_heads: int, n_kv: int, key_length: int) -> tuple:
+    """``(head size, where it comes from)``, after the header's head counts are checked against
+    each other and the width: a count that does not divide is named here, rather than
+    surfacing later as a head size that matches nothing."""
+    for key, n in (("attention.head_count", n_heads), ("attention.head_count_kv", n_kv)):
+        if n <= 0:
+            raise _corrupt(path, f"{arch}.{key} must be a positive integer, got {n}")
+    if n_heads % n_kv:
+        raise _corrupt(path, f"{arch}.attention.head_count ({n_heads}) is not divisible by "
+                             f"{arch}.attention.head_count_kv ({n_kv}); grouped-query attention needs whole groups")
+    if key_length:
+        return key_length, f"{arch}.attention.key_length"
+    if hidden % n_heads:
+        raise _corrupt(path, f"{arch}.embedding_length ({hidden}) is not divisible by {arch}.attention.head_count "
+                             f"({n_heads}), and no {arch}.attention.key_length gives the head size")
+    return hidden // n_heads, f"{arch}.embedding_length {hidden} / {arch}.attention.head_count {n_heads}"
+
+
+def _refuse_rotary(reader, arch: str, path: Path, rot: int, head_dim: int, source: str, n_kv: int) -> None:
+    """Refuse a rotary width ``rot`` other than the head size: more than a head holds is a
+    corrupt header; a head size the key projection contradicts is a corrupt head count; only
+    a head size the tensors confirm leaves rope on part of each head (partial rotary), which
+    longattn does not implement."""
+    if rot > head_dim:
+        raise _corrupt(path, f"{arch}.rope.dimension_count ({rot}) is more than the head size {head_dim} ({source})")
+    k = next((t for t in reader.tensors if t.name == "blk.0.attn_k.weight"), None)
+    rows = int(list(k.shape)[-1]) if k is not None and len(k.shape) == 2 else None
+    if rows is not None and rows != n_kv * head_dim:
+        raise _corrupt(path, f"{arch}.attention.head_count_kv ({n_kv}) heads of size {head_dim} ({source}) "
+                             f"make {n_kv * head_dim} key rows, but tensor 'blk.0.attn_k.weight' has {rows}")
+    raise LongattnError(f"{path.name}: {arch}.rope.dimension_count ({rot}) is less than the head size "
+                        f"{head_dim} ({source}): rope on part of each head (partial rotary) is not implemented")
 
 
 # {arch}.rope.scaling.* keys longattn reads; any other key under that prefix is refused.

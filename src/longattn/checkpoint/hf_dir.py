@@ -82,6 +82,20 @@ def _refuse(d: dict) -> None:
         raise LongattnError("use_bidirectional_attention is set; longattn runs causal decoders only")
 
 
+def _check_heads(hidden: int, n_heads: int, n_kv: int, head_dim) -> None:
+    """Refuse head counts that do not divide, naming the config.json fields (a zero count is
+    left to the division it breaks, which names it). Without head_dim the head size is
+    hidden_size / num_attention_heads, so that division must be exact."""
+    if n_heads <= 0 or n_kv <= 0:
+        return
+    if n_heads % n_kv:
+        raise LongattnError(f"config.json: num_attention_heads ({n_heads}) is not divisible by "
+                            f"num_key_value_heads ({n_kv}); grouped-query attention needs whole groups")
+    if not head_dim and hidden % n_heads:
+        raise LongattnError(f"config.json: hidden_size ({hidden}) is not divisible by num_attention_heads "
+                            f"({n_heads}), and it sets no head_dim to give the head size")
+
+
 def read_hf_config(d: dict, name: str = "") -> ModelConfig:
     """A config.json dict -> ModelConfig (raises LongattnError with one line for what it refuses)."""
     if d.get("model_type") == "gemma3" and "text_config" in d:
@@ -94,6 +108,8 @@ def read_hf_config(d: dict, name: str = "") -> ModelConfig:
     _refuse(d)
     n_layers = int(d["num_hidden_layers"])
     n_heads = int(d["num_attention_heads"])
+    n_kv = int(d.get("num_key_value_heads") or n_heads)
+    _check_heads(int(d["hidden_size"]), n_heads, n_kv, d.get("head_dim"))
     head_dim = int(d.get("head_dim") or d["hidden_size"] // n_heads)
     act_name = d.get("hidden_activation") or d.get("hidden_act") or ("gelu_pytorch_tanh" if family in _GEMMA
                                                                       else "silu")
@@ -105,7 +121,7 @@ def read_hf_config(d: dict, name: str = "") -> ModelConfig:
     kw = dict(
         family=family, vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
         intermediate_size=int(d["intermediate_size"]), num_layers=n_layers, num_heads=n_heads,
-        num_kv_heads=int(d.get("num_key_value_heads") or n_heads), head_dim=head_dim,
+        num_kv_heads=n_kv, head_dim=head_dim,
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         max_context=int(d.get("max_position_embeddings", 8192)),
         tie_embeddings=bool(d.get("tie_word_embeddings", family in _GEMMA)),
@@ -168,11 +184,26 @@ def read_hf_config(d: dict, name: str = "") -> ModelConfig:
     return ModelConfig(**kw)
 
 
+# The files of an HF directory that loading it may read (config, weights, tokenizer, template).
+_READ_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja")
+
+
+def _check_regular_files(path: Path) -> None:
+    """Refuse an HF directory where a file loading may read is a FIFO, device or socket (a
+    read would wait for a writer for ever, or never end), naming the file."""
+    for pattern in _READ_PATTERNS:
+        for f in path.glob(pattern):
+            if f.exists() and not (f.is_file() or f.is_dir()):
+                raise LongattnError(f"{f} is not a regular file (a pipe, device or socket); an HF model "
+                                    "directory holds regular files only")
+
+
 def hf_dir_config(path: Path) -> ModelConfig:
     """The ModelConfig of an HF directory's config.json (one line for any way it is wrong)."""
     cfg_path = path / "config.json"
     if not cfg_path.exists():
         raise LongattnError(f"{path} has no config.json; pass a GGUF file or an HF model directory")
+    _check_regular_files(path)
     cfg = _config_of(cfg_path, path.name)
     hf_dir_weight_files(path)
     return cfg

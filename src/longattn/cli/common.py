@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -110,34 +111,83 @@ def add_context_arg(p: argparse.ArgumentParser) -> None:
                         "attention layers (otherwise refused: the model never saw such positions)")
 
 
-def check_policy_args(args) -> None:
-    """Refuse options the chosen policy would ignore, and impossible windows, before any
-    slow work (a refusal names the option the user passed, never one implied)."""
+def check_policy_args(args, cfg=None) -> None:
+    """Refuse options the chosen policy would ignore, and impossible windows, sink counts and
+    SCSA settings, before any slow work (a refusal names the option the user passed, never
+    one implied). ``cfg``: the model's config, for the bounds that depend on it (the trained
+    context, the head size); without it only the bounds of every model are checked."""
     window = getattr(args, "window", None)
     if window is not None and window < 1:
         raise LongattnError(f"--window must be >= 1 (keys per query, itself included), got {window}; "
                             "for full attention use --policy dense")
+    sinks = getattr(args, "sinks", 0)
+    if sinks is not None and sinks < 0:
+        raise LongattnError(f"--sinks must be a non-negative integer (tokens always readable), got {sinks}")
     if window is not None and args.policy == "dense":
         raise LongattnError("--window has no effect under --policy dense; drop one of them")
     sparse = sorted(k for k in vars(args) if k.startswith("sparse_"))
     if sparse and args.policy not in ("sparse", "auto"):
-        flags = ", ".join("--" + k.replace("_", "-").replace("-probe-dims", "-probe")
-                          .replace("-dense-when-cheaper", "-always") for k in sparse)
+        flags = ", ".join(_sparse_flag(k) for k in sparse)
         verb = "only applies" if len(sparse) == 1 else "only apply"
         raise LongattnError(f"{flags} {verb} with --policy sparse; drop them or add --policy sparse")
+    if cfg is not None:
+        name = cfg.name or "the model"
+        if sinks and sinks > cfg.max_context:
+            raise LongattnError(f"--sinks {sinks} is more than {name}'s trained context ({cfg.max_context}); "
+                                "a few (e.g. 4) are enough")
+        if window is not None and window > cfg.max_context:
+            raise LongattnError(f"--window {window} is longer than {name}'s trained context ({cfg.max_context}), "
+                                f"where it means full attention; use --window <= {cfg.max_context} or "
+                                "--policy dense")
+    if sparse:
+        check_sparse_args(args, cfg)
+
+
+def _sparse_flag(dest: str) -> str:
+    """The option a ``--sparse-*`` argparse destination comes from."""
+    return "--" + dest.replace("_", "-").replace("-probe-dims", "-probe").replace("-dense-when-cheaper", "-always")
+
+
+# The most cached tokens --sparse-min-context may name: far above any cache a machine holds, so
+# a mistyped count (10**30) is refused instead of quietly keeping every layer dense.
+MAX_MIN_CONTEXT = 2**31 - 1
+
+
+def check_sparse_args(args, cfg=None) -> None:
+    """Refuse a ``--sparse-*`` value outside what SCSA runs, naming the option and its range
+    (SCSAConfig refuses the same settings, but by its field names and only once the model is
+    read; a huge count would otherwise reach the native kernel's 64-bit arguments)."""
+    from ..sparse.config import SCSAConfig
+
+    def refuse(dest: str, rng: str, why: str = "") -> None:
+        raise LongattnError(f"{_sparse_flag(dest)} must be {rng}{why}, got {getattr(args, dest)}")
+    n = getattr(args, "sparse_min_context", None)
+    if n is not None and not 0 <= n <= MAX_MIN_CONTEXT:
+        refuse("sparse_min_context", f">= 0 and at most {MAX_MIN_CONTEXT}", " (cached tokens)")
+    t = getattr(args, "sparse_tolerance", None)
+    if t is not None and not 0 < t <= 1:
+        refuse("sparse_tolerance", "> 0 and at most 1", " (a relative output error per head)")
+    q = getattr(args, "sparse_calib_quantile", None)
+    if q is not None and not 0 < q <= 1:
+        refuse("sparse_calib_quantile", "in (0, 1]", " (an order statistic, as a fraction of the steps)")
+    k = getattr(args, "sparse_outliers", None)
+    cluster = SCSAConfig().cluster_size  # the CLI leaves it at its default
+    most = cluster // 2  # clustering.outlier_width: at most half of a cluster
+    if k is not None and not 0 <= k <= most:
+        refuse("sparse_outliers", f">= 0 and at most {most}",
+               f" (keys per {cluster}-key cluster read exactly; 0 = none)")
+    r = getattr(args, "sparse_probe_dims", None)
+    if r is not None and r < 0:
+        refuse("sparse_probe_dims", ">= 0", " (query dimensions; 0 = off)")
+    if r is not None and cfg is not None and r > cfg.head_dim:
+        refuse("sparse_probe_dims", f"in 0..{cfg.head_dim}",
+               f" (dimensions of {cfg.name or 'the model'}'s {cfg.head_dim}-dimensional query heads; 0 = off)")
 
 
 def policy_from_args(cfg, args):
     """The AttentionPolicy the options ask for on the model of ``cfg`` (see check_policy_args)."""
     from ..policy import AttentionPolicy
-    check_policy_args(args)
-    if getattr(args, "sinks", 0) > cfg.max_context:
-        raise LongattnError(f"--sinks {args.sinks} is more than {cfg.name or 'the model'}'s trained "
-                            f"context ({cfg.max_context}); a few (e.g. 4) are enough")
-    if args.window is not None and args.window > cfg.max_context:
-        raise LongattnError(f"--window {args.window} is longer than {cfg.name or 'the model'}'s trained "
-                            f"context ({cfg.max_context}), where it means full attention; use "
-                            f"--window <= {cfg.max_context} or --policy dense")
+    check_policy_args(args, cfg)
     mode = args.policy
     if args.window is not None and mode == "checkpoint":
         mode = "window"  # --window alone imposes it on every layer
@@ -172,10 +222,33 @@ def check_token_ids(cfg, ids) -> None:
                             f"{cfg.vocab_size} embeddings; the tokenizer belongs to another model")
 
 
-def read_text_file(path: str, what: str) -> str:
-    """The UTF-8 text of the file at ``path``; a binary or otherwise undecodable file is
-    refused (one line naming ``what`` and the first bad byte) rather than read in part."""
-    data = Path(path).read_bytes()
+# The most a prompt or text file may hold. Its text is tokenized in one piece, so 64 MiB (some
+# 16 million tokens, past every bundled model's context many times over) bounds what one
+# run reads and holds, whatever the path names.
+MAX_TEXT_BYTES = 64 * 2**20
+
+
+def read_text_file(path: str, what: str, limit: int = MAX_TEXT_BYTES) -> str:
+    """The UTF-8 text of the regular file at ``path``, read whole.
+
+    Refused in one line naming ``what`` (nothing read in part): anything but a regular file (a
+    FIFO would wait for a writer for ever, ``/dev/zero`` never ends), a file over ``limit``
+    bytes, a binary file (a NUL byte) or text that is not UTF-8 (the first bad byte named).
+    The file is opened without waiting, so a FIFO is refused rather than waited on.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # OSError (missing, unreadable): run_guarded's line
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if stat.S_ISDIR(st.st_mode):
+            raise LongattnError(f"{what} {path} is a directory, not a text file")
+        if not stat.S_ISREG(st.st_mode):
+            raise LongattnError(f"{what} {path} is not a regular file (a pipe, device or socket); "
+                                "save the text to a file and pass that")
+        data = f.read(limit + 1)  # a file that grows while read still stops here
+    if st.st_size > limit or len(data) > limit:
+        size = max(st.st_size, len(data))
+        raise LongattnError(f"{what} {path} holds {size} bytes, more than the {limit // 2**20} MiB "
+                            "longattn reads from a text file; pass a shorter text")
     if b"\0" in data:
         raise LongattnError(f"{what} {path} is a binary file (NUL byte at offset {data.index(0)}), not text")
     try:
@@ -183,6 +256,21 @@ def read_text_file(path: str, what: str) -> str:
     except UnicodeDecodeError as e:
         raise LongattnError(f"{what} {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
                             f"{e.start}); convert it, e.g. iconv -t utf-8") from None
+
+
+def check_text_arg(text: str, flag: str) -> str:
+    """``text`` (an option's value) when it is valid Unicode. Python hands over argv bytes that
+    are not UTF-8 as lone surrogates (``$'\\xff'`` arrives as U+DCFF), which no tokenizer can
+    encode: refused in one line naming ``flag`` and the first bad byte, as a file's would be."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError as e:
+        ch, at = text[e.start], len(text[:e.start].encode("utf-8", "surrogateescape"))
+        what = (f"byte 0x{ord(ch) - 0xDC00:02x} at offset {at}" if 0xDC80 <= ord(ch) <= 0xDCFF
+                else f"a lone surrogate U+{ord(ch):04X} at offset {at}")
+        raise LongattnError(f"{flag} is not UTF-8 text ({what}); pass UTF-8 text, or put the text "
+                            "in a UTF-8 file") from None
 
 
 def check_chunk(chunk: int) -> None:

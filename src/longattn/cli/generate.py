@@ -9,8 +9,8 @@ import time
 from ..errors import LongattnError
 from ..host import peak_rss_bytes, process_age_seconds
 from .common import (add_context_arg, add_json_arg, add_model_args, add_policy_args, check_chunk,
-                     check_context, check_policy_args, check_token_ids, emit_json, model_for,
-                     open_checkpoint, policy_from_args, read_text_file, setup_threads)
+                     check_context, check_policy_args, check_text_arg, check_token_ids, emit_json,
+                     model_for, open_checkpoint, policy_from_args, read_text_file, setup_threads)
 
 DEFAULT_PROMPT = "The three most useful facts about the Moon are"
 
@@ -21,7 +21,8 @@ def add_parser(sub) -> None:
     add_model_args(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default=None, help=f"prompt text (default: {DEFAULT_PROMPT!r})")
-    src.add_argument("--prompt-file", default=None, help="read the prompt from a file")
+    src.add_argument("--prompt-file", default=None,
+                     help="read the prompt from a UTF-8 text file (a regular file of at most 64 MiB)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -100,7 +101,7 @@ def run(args) -> int:
     if args.prompt_file:
         text = read_text_file(args.prompt_file, "prompt file")
     else:
-        text = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+        text = check_text_arg(args.prompt, "--prompt") if args.prompt is not None else DEFAULT_PROMPT
     t_load = time.perf_counter()
     ck = open_checkpoint(args)
     policy = policy_from_args(ck.config, args)
@@ -225,9 +226,13 @@ class SparseTaus:
     def finish(self, cache) -> None:
         """After the run over ``cache``: keep newly calibrated taus for the next run."""
         if self.source == "calibrated in this run" and self.path is not None:
+            from ..checkpoint.paths import CacheWriteError
             from ..sparse.tau_cache import store_taus
-            if not store_taus(self.path, self.policy, cache):
-                self.source = "calibration unfinished (too few decode steps past min_context)"
+            try:
+                if not store_taus(self.path, self.policy, cache):
+                    self.source = "calibration unfinished (too few decode steps past min_context)"
+            except CacheWriteError as e:  # the text is out already: the next run calibrates again
+                self.source = f"calibrated in this run, not kept: {e}"
 
     def report(self, cache) -> dict:
         if self.source is None:

@@ -16,7 +16,8 @@ def add_parser(sub) -> None:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_model_args(p)
     p.add_argument("--file", default=None,
-                   help="text file to stream (default: every bundled book, concatenated)")
+                   help="UTF-8 text file to stream, a regular file of at most 64 MiB (default: every "
+                        "bundled book, concatenated)")
     p.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens")
     p.add_argument("--repeat", type=int, default=1, help="repeat the text N times (long streams)")
     p.add_argument("--chunk", type=int, default=256, help="tokens per forward")

@@ -17,6 +17,13 @@ from the prepared-weights cache, which is keyed by the source); another format, 
 machine or kernel build gets its own. Entries are written atomically with a checksum
 (``paths.atomic_dir``): a killed build leaves nothing in place, and a damaged entry is rebuilt
 with a warning.
+
+Torch's own temporaries stay inside the cache and last no longer than the call that makes them:
+a build's inductor cache (some 300 MB, the precompiled header mostly; the package holds all a
+later process needs) and a load's extracted package (the C++ loader unpacks it into
+``$TMPDIR/aotinductor_*`` and removes that only in its destructor, which a process ending with
+``os._exit`` never runs) each go to a private ``steps/.tmp-*`` directory, removed as soon as the
+library is built or mapped, and swept by the next run when a killed process leaves one.
 """
 
 from __future__ import annotations
@@ -25,7 +32,10 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import os
 import sys
+import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -34,7 +44,7 @@ import torch
 
 from ..checkpoint.digest import content_digest
 from ..checkpoint.load import CHECKSUM, discard_entry, entry_intact
-from ..checkpoint.paths import atomic_dir, cache_root
+from ..checkpoint.paths import atomic_dir, cache_root, hold_entry, remove_path, temp_prefix
 from ..errors import LongattnError
 from ..ops import native
 
@@ -132,6 +142,60 @@ def _dynamic_shapes(decoder) -> list:
     return [None, None, tuple([{3: slots} if f else None for f in full] * 2 + [{1: slots} if f else None for f in full])]
 
 
+_ENV_LOCK = threading.RLock()  # one build or load at a time rewrites the process environment
+
+
+@contextlib.contextmanager
+def _scratch_env(**names):
+    """Point each environment variable of ``names`` at its own subdirectory (the value) of one
+    private temporary under the cache's ``steps/`` for the ``with`` block, then restore them and
+    delete the temporary with whatever torch left in it. Python's own temporary directory is
+    settled first, so the module ``tempfile`` never adopts the temporary."""
+    tempfile.gettempdir()
+    root = cache_root() / "steps"
+    root.mkdir(parents=True, exist_ok=True)
+    with _ENV_LOCK:
+        tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(), dir=root))
+        saved = {k: os.environ.get(k) for k in names}
+        try:
+            for k, sub in names.items():
+                (tmp / sub).mkdir(exist_ok=True)
+                os.environ[k] = str(tmp / sub)
+            yield tmp
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            remove_path(tmp)
+
+
+@contextlib.contextmanager
+def _private_inductor_cache():
+    """Inductor's cache and the compiler's temporaries for one build, deleted after it; the
+    inductor memos that remember the cache's directory are cleared on the way in and out."""
+    from torch._inductor.utils import clear_caches
+    with _scratch_env(TORCHINDUCTOR_CACHE_DIR="inductor", TMPDIR="tmp"):
+        clear_caches()
+        try:
+            yield
+        finally:
+            clear_caches()
+
+
+def _open_package(path: Path):
+    """The C++ loader of the package at ``path``, its library loaded. The package is unpacked
+    into a private temporary that is deleted as soon as the loader has mapped the library (a
+    mapping outlives its file), so no exit path leaves the unpacked copy behind."""
+    with _scratch_env(TMPDIR="tmp"):
+        # The C++ loader itself: torch._inductor.aoti_load_package imports inductor (~0.9 s) and
+        # probes the CPU's vector ISA by compiling test programs (~1.2 s) only to warn on a
+        # mismatch, which the key already rules out. Arguments: the package's model name, not
+        # single-threaded, one runner, the CPU.
+        return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+
+
 def _build(decoder, entry: Path, progress: bool) -> None:
     if progress:
         print("-- building the ahead-of-time decode step (once per model, format, policy and machine; "
@@ -140,15 +204,15 @@ def _build(decoder, entry: Path, progress: bool) -> None:
     import torch.export
     t0 = time.perf_counter()
     try:
-        with torch.no_grad(), _quiet():
+        with torch.no_grad(), _quiet(), _private_inductor_cache():
             ep = torch.export.export(_ExportedStep(decoder), _example_inputs(decoder),
                                      dynamic_shapes=_dynamic_shapes(decoder), strict=False)
-        with atomic_dir(entry, complete=_complete) as tmp, _quiet():
-            torch._inductor.aoti_compile_and_package(
-                ep, package_path=str(tmp / STEP_FILE),
-                # the weights stay out of the library: each process passes the model's own tensors
-                inductor_configs={"aot_inductor.package_constants_in_so": False})
-            (tmp / CHECKSUM).write_text(json.dumps({"sha256": content_digest(_files(tmp), remember=False)}))
+            with atomic_dir(entry, complete=_complete) as tmp:
+                torch._inductor.aoti_compile_and_package(
+                    ep, package_path=str(tmp / STEP_FILE),
+                    # the weights stay out of the library: each process passes the model's own tensors
+                    inductor_configs={"aot_inductor.package_constants_in_so": False})
+                (tmp / CHECKSUM).write_text(json.dumps({"sha256": content_digest(_files(tmp), remember=False)}))
     except Exception as e:  # export or the C++ build failed: say so in one line, leave nothing
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise AOTBuildError(f"{type(e).__name__}: {first[:200]}") from None
@@ -180,11 +244,12 @@ class AOTStep:
         if not _complete(entry):
             _build(decoder, entry, progress)
         self.path = entry / STEP_FILE
-        # The C++ loader itself: torch._inductor.aoti_load_package imports inductor (~0.9 s) and
-        # probes the CPU's vector ISA by compiling test programs (~1.2 s) only to warn on a
-        # mismatch, which the key already rules out. Arguments: the package's model name, not
-        # single-threaded, one runner, the CPU.
-        self.loader = torch._C._aoti.AOTIModelPackageLoader(str(self.path), "model", False, 1, -1)
+        hold = hold_entry(entry)
+        if hold is None:  # a --clear-cache took it out since: build it again
+            _build(decoder, entry, progress)
+            hold = hold_entry(entry)
+        with hold or contextlib.nullcontext():  # clear-cache keeps it while the library is mapped
+            self.loader = _open_package(self.path)
         tensors = {f: _resolve(decoder.model, f) for f in self.loader.get_constant_fqns()}
         missing = [f for f, t in tensors.items() if not isinstance(t, torch.Tensor)]
         if missing:

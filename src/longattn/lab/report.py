@@ -49,7 +49,11 @@ def gather_report(directory, output=None) -> Path:
     if not root.is_dir():
         raise LongattnError(f"{root} is not a directory")
     out = Path(output) if output is not None else root / REPORT_NAME
-    pages = sorted(p for p in root.rglob("*.md") if p.with_suffix(".json").exists() and p.resolve() != out.resolve())
+    if out.exists() and not out.is_file():  # a FIFO would wait for a reader, a device swallow the page
+        raise LongattnError(f"{out} exists and is not a regular file; name a file to write the report to")
+    # regular files only: a FIFO among the results would wait for a writer for ever
+    pages = sorted(p for p in root.rglob("*.md")
+                   if p.is_file() and p.with_suffix(".json").is_file() and p.resolve() != out.resolve())
     if not pages:
         raise LongattnError(f"no lab results (.md beside .json) under {root}; run a lab command with --out there")
     import os
@@ -58,7 +62,12 @@ def gather_report(directory, output=None) -> Path:
     for p in pages:
         parts.append(f'<a id="{_anchor(p, root)}"></a>')
         rel = os.path.relpath(p.parent, out.parent)
-        for line in p.read_text().splitlines():
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise LongattnError(f"{p} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                                "it is not a lab command's page: move it out of the directory") from None
+        for line in text.splitlines():
             if line.startswith("#"):
                 line = "#" + line
             elif line.startswith("![") and "](" in line:

@@ -7,16 +7,25 @@
   finished library is renamed into place, so a half-built directory is never loaded and
   torch's own build lock (which a killed build leaves behind for ever) lives only inside
   that private temporary.
+- The build's processes end with it, however this process ends. The child leads a process
+  group of its own (ninja runs in it) and asks the kernel for SIGTERM when its parent dies
+  (``PR_SET_PDEATHSIG``: Linux, and a kill -9 included); on SIGTERM it passes the signal to
+  its group and exits. ninja, so signalled, stops the compilers it started (each in a process
+  group of ninja's, out of reach of a signal to ours) and waits for them. Ctrl-C, a time
+  limit or an exception here sends the same SIGTERM, and SIGKILL to whatever of the group
+  outlives a grace period.
 - A build that fails or runs out of time raises BuildError; callers fall back to PyTorch ops.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,18 +91,75 @@ def ensure_built(spec: ExtensionSpec, build_dir: Path, timeout: float | None = N
 
 
 def _die_with_parent() -> None:
-    """In the compiler child: start a process group, and get SIGKILL when the parent dies."""
+    """In the build child, before it runs: lead a new process group, and get SIGTERM when
+    the parent dies (Linux; elsewhere only the parent's own cleanup in ``run_in_group`` stops it)."""
     os.setsid()
     try:
         import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
         pass
 
 
-_CHILD = ("import json, sys\n"
-          "from torch.utils.cpp_extension import load\n"
-          "load(**json.loads(sys.argv[1]))\n")
+# Run first in the build child, before the slow imports: SIGTERM (the parent's, or the one
+# PR_SET_PDEATHSIG sends when the parent dies) is passed to the whole group, ninja included,
+# and ends the child. A parent that died before the request was made is caught by its pid.
+CHILD_PRELUDE = ("import os, signal, sys\n"
+                 "def _end(signum, frame):\n"
+                 "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                 "    os.killpg(0, signal.SIGTERM)\n"
+                 "    os._exit(128 + signum)\n"
+                 "signal.signal(signal.SIGTERM, _end)\n"
+                 "if os.getppid() != int(os.environ['LONGATTN_BUILD_PARENT']):\n"
+                 "    _end(signal.SIGTERM, None)\n")
+_CHILD = CHILD_PRELUDE + ("import json\n"
+                          "from torch.utils.cpp_extension import load\n"
+                          "load(**json.loads(sys.argv[1]))\n")
+STOP_GRACE_S = 10.0  # after SIGTERM, how long ninja may take to stop its compilers
+
+
+def run_in_group(argv: list, env: dict, timeout: float) -> tuple:
+    """Run ``argv`` (a Python child that starts with CHILD_PRELUDE) as the leader of its own
+    process group; ``(returncode, output)``, stdout and stderr together.
+
+    Raises:
+        subprocess.TimeoutExpired: it ran past ``timeout`` seconds; the group was stopped.
+    """
+    proc = subprocess.Popen(argv, env=dict(env, LONGATTN_BUILD_PARENT=str(os.getpid())),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:  # timed out, interrupted or failed here: stop the whole group
+            stop_group(proc)
+    return proc.returncode, log
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """Stop ``proc``'s process group and reap ``proc``: SIGTERM (ninja stops its compilers on
+    it, and exits once they have), then SIGKILL to whatever of the group is still there after
+    STOP_GRACE_S. ninja is given the grace rather than killed at once: killed, it would leave
+    its compilers, which sit in process groups of their own, running."""
+    deadline = time.monotonic() + STOP_GRACE_S
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=STOP_GRACE_S)
+    while time.monotonic() < deadline and _group_alive(proc.pid):
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member that is no longer ours to signal: not ours to wait for
+        return False
 
 
 def _compile(spec: ExtensionSpec, out: Path, timeout: float) -> None:
@@ -101,22 +167,12 @@ def _compile(spec: ExtensionSpec, out: Path, timeout: float) -> None:
                 extra_cflags=list(spec.cflags), extra_ldflags=list(spec.ldflags),
                 is_python_module=False, verbose=False)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), **spec.env)
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD, json.dumps(args)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            preexec_fn=_die_with_parent)
     try:
-        log, _ = proc.communicate(timeout=timeout)
+        code, log = run_in_group([sys.executable, "-c", _CHILD, json.dumps(args)], env, timeout)
     except subprocess.TimeoutExpired:
         raise BuildError(f"building {spec.name} did not finish within {timeout:.0f} s "
                          "(set LONGATTN_BUILD_TIMEOUT to allow longer)") from None
-    finally:
-        if proc.poll() is None:  # timed out or interrupted: stop the compiler's whole group
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-    if proc.returncode != 0 or not library_path(spec, out).exists():
+    if code != 0 or not library_path(spec, out).exists():
         lines = [l for l in log.decode(errors="replace").splitlines() if l.strip()]
         why = next((l for l in reversed(lines) if "error" in l.lower()), lines[-1] if lines else "")
-        raise BuildError(f"building {spec.name} failed (exit {proc.returncode}): {why.strip()[:300]}")
+        raise BuildError(f"building {spec.name} failed (exit {code}): {why.strip()[:300]}")
