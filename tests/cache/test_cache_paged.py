@@ -2,8 +2,11 @@
 windowed layers (blocks freed as they leave the window, sink blocks kept), several streams
 batched == each alone, and prefix truncation only where the held blocks allow it.
 
-Dense policies: the paged view is laid out like the growing cache's, so the arithmetic is the
-same and the logits are torch.equal. Windowed policies: the paged view holds fewer keys than
+Dense policies: the paged view is laid out like the growing cache's, so in float64 (where both
+gather the view and run the same matmuls) the logits are torch.equal; in float32 a paged
+prefill chunk runs its queries as rows of the fused decode kernel (so a position gets the same
+bits prefilled or decoded), which agrees with the growing cache's prefill to float32
+rounding. Windowed policies: the paged view holds fewer keys than
 the growing cache's (freed blocks), so attention sums the same terms over a shorter row; that
 is checked in float64 to 1e-10, as the ring cache is (tests/cache/test_cache_ring.py: any wrong or
 missing key moves the output by O(1e-2) or more).
@@ -40,14 +43,14 @@ def _paged(m, pol, pool):
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_paged_dense_equals_growing_bit_for_bit(family):
-    m = tiny_model(family)
+    m = tiny_model(family, dtype=torch.float64)
     cfg = m.config
     pol = AttentionPolicy.build(cfg, "dense")
     ids = torch.randint(0, cfg.vocab_size, (70,), generator=torch.Generator().manual_seed(1))
-    pool = BlockPool(200, 4, cfg.num_kv_heads, cfg.head_dim)
+    pool = BlockPool(200, 4, cfg.num_kv_heads, cfg.head_dim, dtype=torch.float64)
     st, paged = _paged(m, pol, pool)
     got = _run(m, pol, ids, paged)
-    ref = _run(m, pol, ids, lambda: make_cache(cfg, pol, kind="growing"))
+    ref = _run(m, pol, ids, lambda: make_cache(cfg, pol, kind="growing", dtype=torch.float64))
     assert torch.equal(got, ref)
     assert st.blocks() == cfg.num_layers * -(-70 // 4)  # global layers keep every block
 

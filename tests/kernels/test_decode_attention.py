@@ -134,3 +134,74 @@ def test_automatic_form_keeps_the_avx2_loops_on_amd():
         with pytest.raises(RuntimeError, match="lacks AVX-512"):
             native.dense_attention_avx512("avx512")
     assert native.dense_attention_avx512() is (has and vendor != "AuthenticAMD")
+
+
+@pytest.mark.parametrize("B,H,Hkv,S,D", [(2, 14, 2, 1029, 64), (1, 9, 3, 300, 64)])
+@pytest.mark.parametrize("window,sinks", [(None, 0), (64, 0), (16, 4)])
+def test_position_aligned_chunks_match_the_reference(B, H, Hkv, S, D, window, sinks):
+    """Slots holding increasing positions (a growing or paged view, gaps and empty slots
+    included) are chunked by position range; the result is still the reference's."""
+    q, k, v, _, _, k_new, v_new = case(B, H, Hkv, S, D, seed=S + 7)
+    g = torch.Generator().manual_seed(S)
+    k_pos = torch.stack([torch.arange(S) * 3 + 500 for _ in range(B)])  # starts mid-chunk, gaps of 2
+    k_pos[torch.rand(B, S, generator=g) < 0.2] = -1
+    q_pos = torch.full((B, 1), 3 * S + 500)
+    check(q, k, v, k_pos, q_pos, k_new, v_new, window * 3 if window else None, sinks)
+
+
+@pytest.mark.parametrize("window,sinks,bs", [(None, 0, 16), (40, 4, 4), (130, 0, 16), (9, 2, 4)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_query_gets_the_same_bits_decoded_or_in_any_prefill_chunk(window, sinks, bs, threads):
+    """A position's attention over a paged cache is the same bits computed as a decode row
+    (whose view a window has already trimmed) and as any row of a prefill chunk (whose view
+    still holds older blocks), batched beside another stream or not: what makes a continued
+    conversation equal the conversation prefilled whole."""
+    from longattn.ops.attention import PagedRows, attend
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _same_bits_decoded_or_prefilled(window, sinks, bs)
+    finally:
+        torch.set_num_threads(old)
+
+
+def _same_bits_decoded_or_prefilled(window, sinks, bs):
+    from longattn.ops.attention import PagedRows, attend
+    H, Hkv, D, N = 6, 2, 64, 300
+    g = torch.Generator().manual_seed(bs + (window or 0))
+    nb = -(-N // bs)
+    pool_k, pool_v = (torch.randn(1, Hkv, (2 * nb + 3) * bs, D, generator=g) for _ in range(2))
+    table = torch.randperm(2 * nb + 3, generator=g)[:nb]  # logical block -> physical, scattered
+    q_all = torch.randn(1, H, N, D, generator=g)
+    sink_blocks = -(-sinks // bs)
+
+    def view(end, first):
+        """The stream's view up to position ``end`` holding sink blocks and blocks from the one
+        with position ``first`` on."""
+        logical = [j for j in range(nb) if j * bs < end and (j < sink_blocks or (j + 1) * bs > first)]
+        kpos = torch.tensor([[j * bs + o if j * bs + o < end else -1 for j in logical for o in range(bs)]])
+        rows = lambda pool: PagedRows(pool, table[logical][None], bs, kpos.shape[1])  # noqa: E731
+        return rows(pool_k), rows(pool_v), kpos
+
+    def decode(p):  # the view a window has trimmed to what position p reads
+        k, v, kpos = view(p + 1, 0 if window is None else p - window + 1)
+        return attend(q_all[:, :, p:p + 1], torch.tensor([[p]]), k, v, kpos, window, sinks, D ** -0.5)
+
+    alone = torch.cat([decode(p) for p in range(N)], dim=2)
+    for start, stop in ((0, N), (5, 77), (150, 151), (160, 300), (290, 300)):
+        k, v, kpos = view(stop, 0 if window is None else max(0, start - window - 37))  # older blocks held
+        got = attend(q_all[:, :, start:stop], torch.arange(start, stop)[None], k, v, kpos, window, sinks, D ** -0.5)
+        assert torch.equal(got, alone[:, :, start:stop]), (start, stop)
+    # batched beside another stream's decode row (padded tables)
+    k1, v1, kp1 = view(200, 0)
+    k2, v2, kp2 = view(N, 0 if window is None else N - 1 - window + 1)
+    width = max(k1.table.shape[1], k2.table.shape[1])
+    pad = lambda t: torch.cat([t, t.new_zeros(1, width - t.shape[1])], 1)  # noqa: E731
+    S = max(kp1.shape[1], kp2.shape[1])
+    padk = lambda t: torch.cat([t, t.new_full((1, S - t.shape[1]), -1)], 1)  # noqa: E731
+    table2 = torch.cat([pad(k1.table), pad(k2.table)])
+    kpos2 = torch.cat([padk(kp1), padk(kp2)])
+    q2 = torch.cat([q_all[:, :, 199:200], q_all[:, :, N - 1:N]])
+    got = attend(q2, torch.tensor([[199], [N - 1]]), PagedRows(pool_k, table2, bs, S), PagedRows(pool_v, table2, bs, S),
+                 kpos2, window, sinks, D ** -0.5)
+    assert torch.equal(got[0:1], alone[:, :, 199:200]) and torch.equal(got[1:2], alone[:, :, N - 1:N])

@@ -78,3 +78,75 @@ def test_batched_chunked_and_reused_requests_equal_each_alone(tiny_ck, weights, 
 
     together = _serve(model, pol, list(zip(prompts, ns)), **cfg)
     assert together == [_alone(model, pol, p, n) for p, n in zip(prompts, ns)]
+
+
+def _conversation(model, policy, turns, **cfg) -> list[list[int]]:
+    """Greedy tokens of ``turns`` [(prompt ids, max tokens)] sent one after another to one engine
+    (each later turn may continue a retained stream's prefix)."""
+    engine = Engine(model, CharIds(), policy, EngineConfig(**{"block_size": 4, "num_blocks": 4096, **cfg})).start()
+    out = []
+    try:
+        for prompt, n in turns:
+            done = threading.Event()
+            r = Request(prompt=list(prompt), max_tokens=n, sampling=SamplingConfig(), ignore_eos=True,
+                        emit=lambda kind, _: done.set() if kind != "text" else None)
+            engine.submit(r)
+            assert done.wait(120) and r.finish_reason == "length"
+            out.append(list(r.generated))
+        return out, engine.metrics.prefix_hits
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4", "int5"])
+@pytest.mark.parametrize("policy", ["checkpoint", "window"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_turn_that_reuses_a_cached_prefix_equals_the_turn_alone(tiny_ck, weights, policy, seed):
+    """A conversation's next turn continues the stream its last turn left (whose reply tokens
+    were decode rows) and equals the whole turn prefilled from nothing. The next prompt keeps a
+    random part of the reply (a template that re-renders its end), so reuse points vary."""
+    torch.set_num_threads(2)
+    model = build_model(tiny_ck.config, tiny_ck.state_dict, weights=weights)
+    pol = AttentionPolicy.build(tiny_ck.config, "window", window=6, sinks=2) if policy == "window" else \
+        AttentionPolicy.from_config(tiny_ck.config)
+    rng = random.Random(100 + seed * 10 + len(weights))
+    chunk = rng.randint(1, 40)
+    turns, prompt, hits = [], [rng.choice(VOCAB) for _ in range(rng.randint(2, 40))], 0
+    for turn in range(3):
+        n = rng.randint(6, 30)
+        turns.append((prompt, n))
+        got, hits = _conversation(model, pol, turns, chunk=chunk, rewind=64)
+        reply = got[-1]
+        assert reply == _alone(model, pol, prompt, n), turn
+        keep = rng.randint(len(reply) // 2, len(reply))
+        prompt = prompt + reply[:keep] + [rng.choice(VOCAB) for _ in range(rng.randint(1, 12))]
+    assert hits == 2  # the later turns really continued a cached stream
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("policy", ["checkpoint", "window"])
+def test_a_position_has_the_same_logits_prefilled_in_any_chunk_or_decoded(tiny_ck, weights, policy):
+    """Logits, not just greedy tokens: every position of a sequence over the paged cache gets
+    the same bits prefilled whole, prefilled in random chunks, or decoded one by one after a
+    prefix (teacher-forced), which is what prefix reuse relies on."""
+    from longattn.cache.paged import BlockPool, PagedKVCache, PagedStream
+    from longattn.engine.session import Session
+    model = build_model(tiny_ck.config, tiny_ck.state_dict, weights=weights)
+    cfg = tiny_ck.config
+    pol = AttentionPolicy.build(cfg, "window", window=6, sinks=2) if policy == "window" else \
+        AttentionPolicy.from_config(cfg)
+    ids = torch.randint(3, 96, (64,), generator=torch.Generator().manual_seed(len(weights)))
+
+    def run(prefill: int, chunk: int) -> torch.Tensor:
+        pool = BlockPool(2000, 4, cfg.num_kv_heads, cfg.head_dim)
+        st = PagedStream.for_policy(pol, rewind=8)
+        s = Session(model, pol, PagedKVCache(cfg, pool, [st]))
+        outs = [s.prefill([ids[:prefill].tolist()], chunk=chunk, logits="all")[0]]
+        for t in range(prefill, len(ids)):
+            s.cache = PagedKVCache(cfg, pool, [st])  # a new view per step, as the engine builds one
+            outs.append(s.step(ids[t:t + 1]))
+        return torch.cat(outs)
+
+    whole = run(len(ids), len(ids))
+    for prefill, chunk in ((len(ids), 7), (len(ids), 1), (24, 24), (24, 5), (1, 1)):
+        assert torch.equal(run(prefill, chunk), whole), (prefill, chunk)

@@ -576,3 +576,26 @@ def test_next_turn_continues_from_before_where_the_last_ended(checkpoint, rewind
         assert list(r2.generated) == generate(Session(model, pol), [second], 6, SamplingConfig()).tokens[0]
     finally:
         engine.stop()
+
+
+def test_the_default_pool_holds_a_conversation_filling_the_context(monkeypatch):
+    """Without --kv-blocks the pool holds one conversation as long as the trained context (so
+    a long-document chat is not refused on its second turn), at least AUTO_MIN_BLOCKS, and at
+    most half the memory available; its pages cost memory only as blocks are used."""
+    from longattn.serve import batching
+    ck = load_checkpoint(tiny_dir("llama", max_position_embeddings=40000), with_tokenizer=False)
+    model = build_model(ck.config, ck.state_dict)
+    pol = AttentionPolicy.from_config(ck.config)
+    engine = Engine(model, None, pol, EngineConfig(block_size=4))
+    one = engine.blocks_needed(pol, ck.config.max_context - 1, 1)
+    assert one > batching.AUTO_MIN_BLOCKS and engine.pool.num_blocks == one
+    assert engine.pool.used == 0 and torch.equal(engine.pool.k[:, :4], torch.zeros_like(engine.pool.k[:, :4]))
+    b = engine.pool.alloc()  # a block handed out reads as zeros, whatever the memory held
+    assert engine.pool.k[:, b * 4:(b + 1) * 4].abs().sum() == 0
+    bytes_per_block = engine.pool.block_bytes
+    monkeypatch.setattr(batching, "available_memory", lambda: 2 * 1000 * bytes_per_block)
+    assert Engine(model, None, pol, EngineConfig(block_size=4)).pool.num_blocks == 1000
+    small = load_checkpoint(tiny_dir("llama", max_position_embeddings=CONTEXT), with_tokenizer=False)
+    monkeypatch.setattr(batching, "available_memory", lambda: None)
+    assert Engine(build_model(small.config, small.state_dict), None, AttentionPolicy.from_config(small.config),
+                  EngineConfig(block_size=4)).pool.num_blocks == batching.AUTO_MIN_BLOCKS

@@ -51,8 +51,11 @@ class BlockPool:
         check_int("KV pool blocks", num_blocks, minimum=1)
         check_int("KV block size", block_size, minimum=1)
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.k = torch.zeros(kv_heads, num_blocks * block_size, head_dim, dtype=dtype)  # [Hkv, N*bs, D]
-        self.v = torch.zeros_like(self.k)
+        # Uninitialised: a page of the pool is touched (and costs memory) only once a block on it
+        # is first handed out, which zeroes it; block 0 is zeroed now, as views pad with it.
+        self.k = torch.empty(kv_heads, num_blocks * block_size, head_dim, dtype=dtype)  # [Hkv, N*bs, D]
+        self.v = torch.empty_like(self.k)
+        self._zero(0)
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the lowest id is handed out first
         self.dtype = dtype
 
@@ -72,7 +75,14 @@ class BlockPool:
     def alloc(self) -> int:
         if not self._free:
             raise PoolExhausted(f"the KV pool's {self.num_blocks} blocks are all in use")
-        return self._free.pop()
+        block = self._free.pop()
+        self._zero(block)  # slots a view reads before they are written hold zeros, never garbage
+        return block
+
+    def _zero(self, block: int) -> None:
+        rows = slice(block * self.block_size, (block + 1) * self.block_size)
+        self.k[:, rows].zero_()
+        self.v[:, rows].zero_()
 
     def release(self, block: int) -> None:
         self._free.append(block)
@@ -199,7 +209,7 @@ class PagedLayerCache(LayerCache):
             kk, vv = (x.permute(1, 0, 2, 3)[:, bi, ti] for x in (k, v))  # [Hkv, M, D]
         pool.k[:, slots_t] = kk.to(pool.dtype)
         pool.v[:, slots_t] = vv.to(pool.dtype)
-        k_all, v_all, k_pos = self._view(ends, contiguous=k.shape[2] > 1)
+        k_all, v_all, k_pos = self._view(ends, contiguous=False)  # read in place, prefill chunks too
         for st, end in zip(self.streams, ends):
             self._free_out_of_window(st, end)
         return k_all, v_all, k_pos

@@ -28,7 +28,10 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--served-name", default=None,
                    help="model id clients send and /v1/models lists (default: the --model name)")
-    p.add_argument("--kv-blocks", type=int, default=4096, help="blocks in the KV pool (all layers and streams)")
+    p.add_argument("--kv-blocks", type=int, default=None,
+                   help="blocks in the KV pool, shared by all layers and streams (default: enough for one "
+                        "conversation filling the model's trained context, at least 4096, at most half the "
+                        "memory available)")
     p.add_argument("--block-size", type=int, default=16, help="token slots per KV block")
     p.add_argument("--max-batch", type=int, default=16, help="requests decoding at once")
     p.add_argument("--max-queue", type=int, default=64,
@@ -104,8 +107,9 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     engine.start()
     app = create_app(engine, args.served_name or ck.name, options)
-    print(f"-- serving {ck.name} on http://{args.host}:{args.port}/v1 ({config.num_blocks} KV blocks of "
-          f"{config.block_size} tokens, {engine.pool.block_bytes * config.num_blocks / 2**20:.0f} MiB"
+    blocks = engine.pool.num_blocks
+    print(f"-- serving {ck.name} on http://{args.host}:{args.port}/v1 ({blocks} KV blocks of "
+          f"{config.block_size} tokens, {engine.pool.block_bytes * blocks / 2**20:.0f} MiB"
           f"{', API key required' if api_key else ''})", file=sys.stderr, flush=True)
     # uvicorn turns SIGTERM/SIGINT into a graceful shutdown: no new connections, requests in
     # flight finish, then the app's lifespan stops the engine. Afterwards it raises the signal

@@ -129,10 +129,8 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         ``[B, H, Tq, D]``.
     """
     if isinstance(k, PagedRows):
-        if fused and fused_applies(q, k.pool, v.pool, softcap, sink_logits):
-            none = q.new_empty(q.shape[0], k.pool.shape[1], 0, q.shape[3])  # the pool already holds it
-            return torch.ops.longattn_cpu.decode_attention(q, k.pool, v.pool, k_pos, q_pos, none, none, window or 0,
-                                                           sinks, float(scale), sink_logits, k.table, k.block_size)
+        if fused and fused_applies(q[:, :, :1], k.pool, v.pool, softcap, sink_logits):
+            return paged_rows_attention(q, q_pos, k, v, k_pos, window, sinks, scale, sink_logits)
         k, v = k.gather(), v.gather()
     if fused and fused_applies(q, k, v, softcap, sink_logits):
         none = k[:, :, :0]  # no separate own key: the cache already holds it
@@ -146,6 +144,26 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     mask = masks.mask(q_pos, k_pos, window, sinks) if masks is not None else \
         allowed_mask(q_pos, k_pos, window, sinks)
     return masked_attention(q, k, v, mask, scale, softcap, sink_logits)
+
+
+def paged_rows_attention(q, q_pos, k: PagedRows, v: PagedRows, k_pos, window, sinks, scale, sink_logits=None):
+    """Every query of ``q [B, H, Tq, D]`` as one row of the fused decode kernel over a paged
+    cache read in place -> ``[B, H, Tq, D]``.
+
+    A prefill chunk's queries run as decode rows (each row of stream b gets b's block table; the
+    kernel's ``pos_k <= pos_q`` test is the causal mask), so a position's attention is the same
+    bits whether it was prefilled or decoded, in any chunk: a conversation that continues a
+    cached prefix (its last reply decoded) computes what the whole conversation prefilled
+    computes. Its cost is the work of causal attention read row by row instead of as a matmul.
+    """
+    B, H, Tq, D = q.shape
+    rows = q.transpose(1, 2).reshape(B * Tq, H, 1, D)
+    table = k.table.repeat_interleave(Tq, 0) if Tq > 1 else k.table
+    kp = k_pos.repeat_interleave(Tq, 0) if Tq > 1 else k_pos
+    none = q.new_empty(B * Tq, k.pool.shape[1], 0, D)  # the pool already holds every key
+    y = torch.ops.longattn_cpu.decode_attention(rows, k.pool, v.pool, kp, q_pos.reshape(B * Tq, 1), none, none,
+                                                window or 0, sinks, float(scale), sink_logits, table, k.block_size)
+    return y.view(B, Tq, H, D).transpose(1, 2) if Tq > 1 else y
 
 
 def _plain_causal(q, q_pos, k_pos, window, softcap) -> bool:

@@ -20,6 +20,7 @@ and prefills only the rest. docs/serve.md says which prefix lengths stay reusabl
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -41,6 +42,21 @@ log = logging.getLogger("longattn.serve")
 
 # distinct per-request policies remembered (each holds its own mask memo)
 MAX_POLICIES = 32
+# the automatic pool's floor (many short conversations) and its share of the memory available
+AUTO_MIN_BLOCKS = 4096
+AUTO_MEMORY_SHARE = 0.5
+
+
+def available_memory() -> Optional[int]:
+    """Bytes the kernel says can be allocated without swapping (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 class QueueFull(Exception):
@@ -61,7 +77,7 @@ class ShuttingDown(Exception):
 @dataclass
 class EngineConfig:
     block_size: int = 16        # token slots per KV block
-    num_blocks: int = 4096      # blocks in the pool (all layers, all streams)
+    num_blocks: Optional[int] = None  # blocks in the pool (all layers, all streams); None: auto_blocks
     max_batch: int = 16         # requests decoding at once
     max_queue: int = 64         # requests waiting for admission before 429
     chunk: int = 256            # prefill tokens per step
@@ -71,7 +87,7 @@ class EngineConfig:
 
     def __post_init__(self):
         check_int("--block-size", self.block_size, minimum=1)
-        check_int("--kv-blocks", self.num_blocks, minimum=1)
+        check_int("--kv-blocks", self.num_blocks, minimum=1, allow_none=True)
         check_int("--max-batch", self.max_batch, minimum=1)
         check_int("--max-queue", self.max_queue, minimum=0)
         check_int("--prefill-chunk", self.chunk, minimum=1)
@@ -155,6 +171,8 @@ class Engine:
         self.stop_ids = set(stop_ids)
         PagedStream.for_policy(policy)  # refuses kinds the pool cannot page
         self.policies = {(): policy}
+        if config.num_blocks is None:
+            config = self.config = dataclasses.replace(config, num_blocks=self.auto_blocks(policy, model.activation_dtype))
         self.pool = BlockPool(config.num_blocks, config.block_size, self.cfg.num_kv_heads, self.cfg.head_dim,
                               model.activation_dtype)
         self.metrics = Metrics()
@@ -173,6 +191,22 @@ class Engine:
         self._ids = itertools.count()
         self._keys = itertools.count()
         self._thread: Optional[threading.Thread] = None
+
+    def auto_blocks(self, policy: AttentionPolicy, dtype) -> int:
+        """The pool's default size: one conversation that fills the model's trained context
+        under ``policy`` (windowed layers free what leaves the window), at least AUTO_MIN_BLOCKS,
+        at most AUTO_MEMORY_SHARE of the memory available now. The pool's pages are touched only
+        as blocks are first used, so an idle large pool costs address space, not memory."""
+        c = self.config
+        one = self.blocks_needed(policy, self.cfg.max_context - 1, 1)
+        want = max(AUTO_MIN_BLOCKS, one)
+        block_bytes = 2 * self.cfg.num_kv_heads * c.block_size * self.cfg.head_dim * torch.finfo(dtype).bits // 8
+        avail = available_memory()
+        if avail is not None and want * block_bytes > avail * AUTO_MEMORY_SHARE:
+            want = max(1, int(avail * AUTO_MEMORY_SHARE // block_bytes))
+            log.warning("the KV pool is sized to half the available memory (%d blocks, %d MiB): a conversation "
+                        "filling the model's context needs %d blocks", want, want * block_bytes >> 20, one)
+        return want
 
     # ------------------------------------------------------------------ called from any thread
 

@@ -28,6 +28,12 @@
 // sequence, so one KV head still uses every core); each item keeps its own running max,
 // normaliser and numerator, merged exactly at the end with the own key.
 //
+// Chunks are aligned to absolute positions (positions [128c, 128c + 128)) wherever a row's
+// slots hold increasing positions (a growing cache, a paged view, a ring that has not wrapped),
+// else to slots. A query's bits then depend only on which positions it reads, not on where
+// its view starts: a decode row and the same position computed as one row of a prefill chunk
+// (whose view still holds blocks a window later frees) sum the same slots in the same groups.
+//
 // Where the CPU has AVX-512 (longattn::use_avx512_dense_attention: not on AMD Zen 4, where the
 // wide loops are slower, see cpu_features.h) and D % 16 == 0, the score and numerator
 // loops take a wide form with the same bits (below). The AVX2 loops re-load every key and value
@@ -211,96 +217,159 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t* qposp = qpc.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
 
-  // Split the slots into chunks of a fixed size, so threads share even one stream's one KV head,
-  // and a query's result depends on nothing but its own slots: not on the batch, the thread
-  // count, or how far a batch pads its block tables (slots past a stream's own are empty
-  // chunks, which the merge skips). Its parts merge in slot order.
+  // Split the slots into chunks of at most 128 slots, so threads share even one stream's one KV
+  // head, and a query's result depends on nothing but the positions it reads: not on the
+  // batch, the thread count, how far a batch pads its block tables (slots past a stream's own
+  // are empty chunks, which the merge skips) or where its view starts. Parts merge in order.
   const int64_t heads = B * Hkv;
-  const int64_t chunk = kSlotChunk;
-  const int64_t chunks = std::max<int64_t>(1, (S + chunk - 1) / chunk);
-  // partial[item][g] = (max, normaliser, numerator[D])
+  // bounds[b * (chunks + 1) + c]: the first slot of row b's chunk c. Where the row's positions
+  // increase, a chunk is the slots of one position range [128k, 128k + 128) that holds any
+  // (ranges with none are left out: a window far past its sinks spans no empty chunks), else
+  // every kSlotChunk slots. Slots holding no position (-1) join the chunk they sit in.
+  std::vector<std::vector<int64_t>> starts(B);
+  int64_t chunks = 1;
+  for (int64_t b = 0; b < B; ++b) {
+    std::vector<int64_t>& st = starts[b];
+    int64_t prev = -1, cur = -1;
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t pk = kposp[b * S + s];
+      if (pk < 0) continue;
+      if (pk <= prev) {  // not increasing (a wrapped ring): slot-aligned chunks
+        st.clear();
+        break;
+      }
+      prev = pk;
+      if (pk / kSlotChunk != cur) {
+        cur = pk / kSlotChunk;
+        st.push_back(st.empty() ? 0 : s);
+      }
+    }
+    if (st.empty())
+      for (int64_t s = 0; s < S; s += kSlotChunk) st.push_back(s);
+    chunks = std::max<int64_t>(chunks, static_cast<int64_t>(st.size()));
+  }
+  std::vector<int64_t> bounds(B * (chunks + 1), S);
+  for (int64_t b = 0; b < B; ++b) std::copy(starts[b].begin(), starts[b].end(), bounds.begin() + b * (chunks + 1));
+  // partial[(b * Hkv + h) * chunks + c][g] = (max, normaliser, numerator[D])
   std::vector<float> part(heads * chunks * G * (D + 2));
   // the AVX-512 loops (same bits) where the CPU has them and rows are whole 512-bit vectors
   const bool wide = longattn::use_avx512_dense_attention(isa) && D % 16 == 0;
-  const HeadPasses passes(G);
 
-  at::parallel_for(0, heads * chunks, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> qs(G * D), scores;
+  // Rows with the same paged view (a prefill chunk's queries, run as rows of one stream) go in
+  // groups of up to kGroupRows per work item: rows that read the same slots of a chunk take their
+  // scores and numerators in one pass over those K and V rows, as extra query heads. Each
+  // (row, head) still runs the loops it runs alone, so grouping changes no bit.
+  constexpr int64_t kGroupRows = 32;
+  std::vector<int64_t> groups{0};  // first row of each group, then B
+  for (int64_t b = 1; b < B; ++b) {
+    const bool same = paged && b - groups.back() < kGroupRows &&
+                      std::equal(kposp + (b - 1) * S, kposp + b * S, kposp + b * S) &&
+                      std::equal(btp + (b - 1) * nbt, btp + b * nbt, btp + b * nbt);
+    if (!same) groups.push_back(b);
+  }
+  groups.push_back(B);
+  const int64_t ngroups = static_cast<int64_t>(groups.size()) - 1;
+
+  at::parallel_for(0, ngroups * Hkv * chunks, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> qs, scores, loc;
     std::vector<const float*> krow, vrow;
-    std::vector<int64_t> idx;
+    std::vector<std::vector<int64_t>> idx(kGroupRows);
+    std::vector<int64_t> subset;
+    std::vector<char> done;
     for (int64_t item = i0; item < i1; ++item) {
-      const int64_t bh = item / chunks, c = item % chunks, b = bh / Hkv, h = bh % Hkv;
-      const int64_t s0 = c * chunk, s1 = std::min(S, s0 + chunk);
-      const int64_t pq = qposp[b];
-      float* out = part.data() + item * G * (D + 2);
-      idx.clear();
-      for (int64_t s = s0; s < s1; ++s) {
-        const int64_t pk = kposp[b * S + s];
-        if (pk >= 0 && pk <= pq && (window <= 0 || pq - pk < window || pk < sinks)) idx.push_back(s);
-      }
-      const int64_t n = static_cast<int64_t>(idx.size());
-      for (int64_t g = 0; g < G; ++g) {
-        float* o = out + g * (D + 2);
-        o[0] = kNegInf;
-        o[1] = 0.0f;
-        std::fill(o + 2, o + 2 + D, 0.0f);
-      }
-      if (n == 0) continue;
-      const float* qh = qp + (b * H + h * G) * D;
-      for (int64_t j = 0; j < G * D; ++j) qs[j] = qh[j] * sc;
-      scores.resize(G * n);
-      krow.resize(n);
-      vrow.resize(n);
-      const float* kh = kp + (paged ? 0 : b * ksb) + h * ksh;  // a pool has one base for all streams
-      const float* vh = vp + (paged ? 0 : b * vsb) + h * vsh;
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t r = row_of(b, idx[j]);
-        krow[j] = kh + r * D;
-        vrow[j] = vh + r * D;
-      }
-      // scores: eight rows at a time, every query head per block (the rows stay in L1)
-      int64_t j = 0;
-      float s8[8 * kWideHeads];
-      if (wide) {
-        for (; j + 8 <= n; j += 8)
-          for (int64_t i = 0; i < passes.n; ++i) {
-            const int64_t g0 = passes.first(i), gn = passes.first(i + 1) - g0;
-            with_heads<kWideHeads>(gn, [&](auto h) {
-              scores8_wide<decltype(h)::value>(qs.data() + g0 * D, krow.data() + j, D, s8);
-            });
-            for (int64_t g = 0; g < gn; ++g)
-              for (int r = 0; r < 8; ++r) scores[(g0 + g) * n + j + r] = s8[g * 8 + r];
-          }
-      } else {
-        for (; j + 8 <= n; j += 8)
-          for (int64_t g = 0; g < G; ++g) {
-            dot8(qs.data() + g * D, krow.data() + j, D, s8);
-            for (int r = 0; r < 8; ++r) scores[g * n + j + r] = s8[r];
-          }
-      }
-      for (; j < n; ++j)
-        for (int64_t g = 0; g < G; ++g) scores[g * n + j] = dot(qs.data() + g * D, krow[j], D);
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * n;
-        const float m = max_of(sg, n);
-        out[g * (D + 2)] = m;
-        out[g * (D + 2) + 1] = exp_shift_sum(sg, n, m);
-      }
-      // numerators: tiles of 32 rows (<= 32 KiB at D = 256) reused by every head from cache
-      for (int64_t r0 = 0; r0 < n; r0 += 32) {
-        const int64_t nr = std::min<int64_t>(32, n - r0);
-        if (wide) {
-          for (int64_t i = 0; i < passes.n; ++i) {
-            const int64_t g0 = passes.first(i), gn = passes.first(i + 1) - g0;
-            with_heads<kWideHeads>(gn, [&](auto h) {
-              weighted_rows_wide<decltype(h)::value>(scores.data() + g0 * n + r0, n, vrow.data() + r0, nr, D,
-                                                     out + g0 * (D + 2) + 2, D + 2);
-            });
-          }
-        } else {
-          for (int64_t g = 0; g < G; ++g)
-            weighted_rows(scores.data() + g * n + r0, vrow.data() + r0, nr, D, out + g * (D + 2) + 2);
+      const int64_t gi = item / (Hkv * chunks), h = item / chunks % Hkv, c = item % chunks;
+      const int64_t b0 = groups[gi], nrows = groups[gi + 1] - b0;
+      const int64_t s0 = bounds[b0 * (chunks + 1) + c], s1 = bounds[b0 * (chunks + 1) + c + 1];
+      const auto out_of = [&](int64_t b) { return part.data() + ((b * Hkv + h) * chunks + c) * G * (D + 2); };
+      for (int64_t r = 0; r < nrows; ++r) {
+        const int64_t pq = qposp[b0 + r];
+        idx[r].clear();
+        for (int64_t s = s0; s < s1; ++s) {
+          const int64_t pk = kposp[b0 * S + s];
+          if (pk >= 0 && pk <= pq && (window <= 0 || pq - pk < window || pk < sinks)) idx[r].push_back(s);
         }
+        float* out = out_of(b0 + r);
+        for (int64_t g = 0; g < G; ++g) {
+          float* o = out + g * (D + 2);
+          o[0] = kNegInf;
+          o[1] = 0.0f;
+          std::fill(o + 2, o + 2 + D, 0.0f);
+        }
+      }
+      done.assign(nrows, 0);
+      for (int64_t r = 0; r < nrows; ++r) {
+        if (done[r] || idx[r].empty()) continue;
+        subset.clear();  // the rows reading exactly row r's slots
+        for (int64_t r2 = r; r2 < nrows; ++r2)
+          if (!done[r2] && idx[r2] == idx[r]) {
+            subset.push_back(r2);
+            done[r2] = 1;
+          }
+        const std::vector<int64_t>& ix = idx[r];
+        const int64_t n = static_cast<int64_t>(ix.size()), VG = static_cast<int64_t>(subset.size()) * G;
+        qs.resize(VG * D);
+        for (size_t si = 0; si < subset.size(); ++si) {
+          const float* qh = qp + ((b0 + subset[si]) * H + h * G) * D;
+          for (int64_t j = 0; j < G * D; ++j) qs[si * G * D + j] = qh[j] * sc;
+        }
+        scores.resize(VG * n);
+        krow.resize(n);
+        vrow.resize(n);
+        const float* kh = kp + (paged ? 0 : b0 * ksb) + h * ksh;  // a pool has one base for all streams
+        const float* vh = vp + (paged ? 0 : b0 * vsb) + h * vsh;
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t rr = row_of(b0, ix[j]);
+          krow[j] = kh + rr * D;
+          vrow[j] = vh + rr * D;
+        }
+        const HeadPasses passes(VG);
+        // scores: eight rows at a time, every query head per block (the rows stay in L1)
+        int64_t j = 0;
+        float s8[8 * kWideHeads];
+        if (wide) {
+          for (; j + 8 <= n; j += 8)
+            for (int64_t i = 0; i < passes.n; ++i) {
+              const int64_t g0 = passes.first(i), gn = passes.first(i + 1) - g0;
+              with_heads<kWideHeads>(gn, [&](auto hh) {
+                scores8_wide<decltype(hh)::value>(qs.data() + g0 * D, krow.data() + j, D, s8);
+              });
+              for (int64_t g = 0; g < gn; ++g)
+                for (int k8 = 0; k8 < 8; ++k8) scores[(g0 + g) * n + j + k8] = s8[g * 8 + k8];
+            }
+        } else {
+          for (; j + 8 <= n; j += 8)
+            for (int64_t g = 0; g < VG; ++g) {
+              dot8(qs.data() + g * D, krow.data() + j, D, s8);
+              for (int k8 = 0; k8 < 8; ++k8) scores[g * n + j + k8] = s8[k8];
+            }
+        }
+        for (; j < n; ++j)
+          for (int64_t g = 0; g < VG; ++g) scores[g * n + j] = dot(qs.data() + g * D, krow[j], D);
+        loc.assign(VG * (D + 2), 0.0f);
+        for (int64_t g = 0; g < VG; ++g) {
+          float* sg = scores.data() + g * n;
+          const float m = max_of(sg, n);
+          loc[g * (D + 2)] = m;
+          loc[g * (D + 2) + 1] = exp_shift_sum(sg, n, m);
+        }
+        // numerators: tiles of 32 rows (<= 32 KiB at D = 256) reused by every head from cache
+        for (int64_t r0 = 0; r0 < n; r0 += 32) {
+          const int64_t nr = std::min<int64_t>(32, n - r0);
+          if (wide) {
+            for (int64_t i = 0; i < passes.n; ++i) {
+              const int64_t g0 = passes.first(i), gn = passes.first(i + 1) - g0;
+              with_heads<kWideHeads>(gn, [&](auto hh) {
+                weighted_rows_wide<decltype(hh)::value>(scores.data() + g0 * n + r0, n, vrow.data() + r0, nr, D,
+                                                        loc.data() + g0 * (D + 2) + 2, D + 2);
+              });
+            }
+          } else {
+            for (int64_t g = 0; g < VG; ++g)
+              weighted_rows(scores.data() + g * n + r0, vrow.data() + r0, nr, D, loc.data() + g * (D + 2) + 2);
+          }
+        }
+        for (size_t si = 0; si < subset.size(); ++si)
+          std::copy(loc.begin() + si * G * (D + 2), loc.begin() + (si + 1) * G * (D + 2), out_of(b0 + subset[si]));
       }
     }
   });
