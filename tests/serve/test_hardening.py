@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import os
 import signal
 import socket
@@ -196,7 +197,8 @@ def test_request_timeout_and_drain_timeout_end_requests_with_an_error(checkpoint
     assert engine.snapshot()["blocks_used"] == 0
 
 
-def test_api_key_content_type_host_and_routes(guarded):
+def test_api_key_content_type_host_and_routes(guarded, caplog):
+    caplog.set_level(logging.INFO, logger="longattn.serve")
     url, engine, key = guarded
     body = {"model": NAME, "prompt": "hi", "max_tokens": 2}
     for headers, why in (({}, "no API key"), ({"Authorization": "Bearer wrong"}, "not valid"),
@@ -228,6 +230,8 @@ def test_api_key_content_type_host_and_routes(guarded):
         assert s == status and error_of(data)
     metrics = call(url, "GET", "/metrics")[2].decode()
     assert 'longattn_refused_requests_total{reason="invalid_api_key"}' in metrics
+    logged = [r.getMessage() for r in caplog.records]
+    assert "POST /v1/completions 401 invalid_api_key" in logged and "GET /health 421 host_not_allowed" in logged
 
 
 def test_size_limits_answer_413_and_the_server_stays_responsive(guarded):

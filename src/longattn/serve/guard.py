@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+
+log = logging.getLogger("longattn.serve")
 
 
 @dataclass
@@ -73,6 +76,7 @@ class Guard:
         if refusal is not None:
             status, message, kind, code, extra = refusal
             self.refused[code] = self.refused.get(code, 0) + 1
+            log.info("%s %s %d %s", method, path[:200], status, code)
             return await _answer(send, status, error_body(message, kind, code), extra)
         if method == "POST":
             receive = self._counted(receive)
