@@ -150,3 +150,44 @@ def test_a_position_has_the_same_logits_prefilled_in_any_chunk_or_decoded(tiny_c
     whole = run(len(ids), len(ids))
     for prefill, chunk in ((len(ids), 7), (len(ids), 1), (24, 24), (24, 5), (1, 1)):
         assert torch.equal(run(prefill, chunk), whole), (prefill, chunk)
+
+
+@pytest.mark.real
+def test_the_default_weights_answer_the_same_alone_batched_and_after_reuse():
+    """SmolLM2 on its default weights through the engine with its chat template: four
+    questions each answered alone, then all four at once beside each other, then each again on
+    an engine that keeps its earlier turn (the prompt's prefix is reused): the same greedy text
+    every time."""
+    from conftest import real_checkpoint
+    from longattn.chat import chat_ids
+    from longattn.checkpoint.prepared import prepared_model
+    ck = real_checkpoint("smollm2-135m")
+    model = prepared_model(ck, "auto", progress=False)
+    pol = AttentionPolicy.from_config(ck.config)
+    questions = ["Name three moons of Jupiter.", "What is the capital of Portugal?",
+                 "Write one sentence about tides.", "How many legs does a spider have?"]
+    prompts = [chat_ids(ck.tokenizer, [{"role": "user", "content": q}]) for q in questions]
+
+    def answers(reqs, **cfg):
+        engine = Engine(model, ck.tokenizer, pol, EngineConfig(**{"block_size": 16, "num_blocks": 2048, **cfg})).start()
+        try:
+            out = []
+            for group in reqs:
+                done = [threading.Event() for _ in group]
+                rs = [Request(prompt=p, max_tokens=24, sampling=SamplingConfig(), ignore_eos=True,
+                              emit=lambda kind, _, e=e: e.set() if kind != "text" else None) for p, e in zip(group, done)]
+                for r in rs:
+                    engine.submit(r)
+                assert all(e.wait(300) for e in done)
+                out += [list(r.generated) for r in rs]
+            return out, engine.metrics.prefix_hits
+        finally:
+            engine.stop()
+
+    torch.set_num_threads(2)
+    alone = [answers([[p]], retain=0)[0][0] for p in prompts]
+    together, _ = answers([prompts], chunk=7)
+    assert together == alone
+    # the same prompt sent twice: the second send continues the first's stream
+    twice, hits = answers([[p] for p in prompts for _ in range(2)], chunk=16)
+    assert hits >= 4 and twice == [a for a in alone for _ in range(2)]
