@@ -205,3 +205,24 @@ def _same_bits_decoded_or_prefilled(window, sinks, bs):
     got = attend(q2, torch.tensor([[199], [N - 1]]), PagedRows(pool_k, table2, bs, S), PagedRows(pool_v, table2, bs, S),
                  kpos2, window, sinks, D ** -0.5)
     assert torch.equal(got[0:1], alone[:, :, 199:200]) and torch.equal(got[1:2], alone[:, :, N - 1:N])
+
+
+@pytest.mark.parametrize("window,sinks", [(None, 0), (40, 4)])
+def test_a_bfloat16_pool_reads_as_the_float32_kernel_on_the_widened_pool(window, sinks):
+    """A bfloat16 cache widens exactly as each row is read: the output is the float32 kernel's
+    on the widened pool, bit for bit, in decode rows and prefill rows alike."""
+    from longattn.ops.attention import PagedRows, attend
+    g = torch.Generator().manual_seed(3)
+    H, Hkv, D, bs, nb = 6, 2, 64, 16, 20
+    pool_k, pool_v = (torch.randn(1, Hkv, nb * bs, D, generator=g).bfloat16() for _ in range(2))
+    table = torch.randperm(nb, generator=g)[:18][None]
+    n = 18 * bs - 5
+    k_pos = torch.where(torch.arange(18 * bs) < n, torch.arange(18 * bs), -1)[None]
+    for start in (n - 1, n - 40):
+        q = torch.randn(1, H, n - start, D, generator=g)
+        q_pos = torch.arange(start, n)[None]
+        got = attend(q, q_pos, PagedRows(pool_k, table, bs, n), PagedRows(pool_v, table, bs, n), k_pos,
+                     window, sinks, D ** -0.5)
+        want = attend(q, q_pos, PagedRows(pool_k.float(), table, bs, n), PagedRows(pool_v.float(), table, bs, n),
+                      k_pos, window, sinks, D ** -0.5)
+        assert got.dtype == torch.float32 and torch.equal(got, want)

@@ -412,7 +412,7 @@ def test_a_drain_past_its_timeout_ends_streams_with_an_error_and_done(served_dir
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    proc = _serve(served_dir, port, "--drain-timeout", "1", env={"LONGATTN_API_KEY": "k"})
+    proc = _serve(served_dir, port, "--drain-timeout", "1", "--kv", "bf16", env={"LONGATTN_API_KEY": "k"})
     url = f"http://127.0.0.1:{port}"
     try:
         def up():
@@ -422,6 +422,7 @@ def test_a_drain_past_its_timeout_ends_streams_with_an_error_and_done(served_dir
                 return False
         assert _wait(up, 180), proc.stderr.read() if proc.poll() is not None else "server did not start"
         assert call(url, "GET", "/v1/models")[0] == 401  # the key from the environment
+        assert 'longattn_kv_pool_bytes{format="bf16"}' in call(url, "GET", "/metrics")[2].decode()
         host, p = url.removeprefix("http://").split(":")
         c = http.client.HTTPConnection(host, int(p), timeout=60)
         c.request("POST", "/v1/completions", headers={**JSON, "Authorization": "Bearer k"},

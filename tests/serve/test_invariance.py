@@ -22,7 +22,7 @@ from longattn.checkpoint import load_checkpoint
 from longattn.engine.sampling import SamplingConfig
 from longattn.models import build_model
 from longattn.policy import AttentionPolicy
-from longattn.serve.batching import Engine, EngineConfig, Request
+from longattn.serve.batching import KV_FORMATS, Engine, EngineConfig, Request
 
 VOCAB = range(3, 96)
 
@@ -98,10 +98,10 @@ def _conversation(model, policy, turns, **cfg) -> list[list[int]]:
         engine.stop()
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4", "int5"])
+@pytest.mark.parametrize("weights,kv", [("int8", "f32"), ("int4", "f32"), ("int5", "f32"), ("int4", "bf16")])
 @pytest.mark.parametrize("policy", ["checkpoint", "window"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_a_turn_that_reuses_a_cached_prefix_equals_the_turn_alone(tiny_ck, weights, policy, seed):
+def test_a_turn_that_reuses_a_cached_prefix_equals_the_turn_alone(tiny_ck, weights, kv, policy, seed):
     """A conversation's next turn continues the stream its last turn left (whose reply tokens
     were decode rows) and equals the whole turn prefilled from nothing. The next prompt keeps a
     random part of the reply (a template that re-renders its end), so reuse points vary."""
@@ -115,17 +115,17 @@ def test_a_turn_that_reuses_a_cached_prefix_equals_the_turn_alone(tiny_ck, weigh
     for turn in range(3):
         n = rng.randint(6, 30)
         turns.append((prompt, n))
-        got, hits = _conversation(model, pol, turns, chunk=chunk, rewind=64)
+        got, hits = _conversation(model, pol, turns, chunk=chunk, rewind=64, kv=kv)
         reply = got[-1]
-        assert reply == _alone(model, pol, prompt, n), turn
+        assert reply == _serve(model, pol, [(prompt, n)], max_batch=1, chunk=4096, retain=0, kv=kv)[0], turn
         keep = rng.randint(len(reply) // 2, len(reply))
         prompt = prompt + reply[:keep] + [rng.choice(VOCAB) for _ in range(rng.randint(1, 12))]
     assert hits == 2  # the later turns really continued a cached stream
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("weights,kv", [("int8", "f32"), ("int4", "f32"), ("int4", "bf16")])
 @pytest.mark.parametrize("policy", ["checkpoint", "window"])
-def test_a_position_has_the_same_logits_prefilled_in_any_chunk_or_decoded(tiny_ck, weights, policy):
+def test_a_position_has_the_same_logits_prefilled_in_any_chunk_or_decoded(tiny_ck, weights, kv, policy):
     """Logits, not just greedy tokens: every position of a sequence over the paged cache gets
     the same bits prefilled whole, prefilled in random chunks, or decoded one by one after a
     prefix (teacher-forced), which is what prefix reuse relies on."""
@@ -138,7 +138,7 @@ def test_a_position_has_the_same_logits_prefilled_in_any_chunk_or_decoded(tiny_c
     ids = torch.randint(3, 96, (64,), generator=torch.Generator().manual_seed(len(weights)))
 
     def run(prefill: int, chunk: int) -> torch.Tensor:
-        pool = BlockPool(2000, 4, cfg.num_kv_heads, cfg.head_dim)
+        pool = BlockPool(2000, 4, cfg.num_kv_heads, cfg.head_dim, KV_FORMATS[kv])
         st = PagedStream.for_policy(pol, rewind=8)
         s = Session(model, pol, PagedKVCache(cfg, pool, [st]))
         outs = [s.prefill([ids[:prefill].tolist()], chunk=chunk, logits="all")[0]]

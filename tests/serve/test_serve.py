@@ -190,7 +190,8 @@ def test_openai_client_completions_chat_and_streams(server):
     conn.close()
     for name in ("longattn_requests_total{outcome=\"ok\"}", "longattn_prompt_tokens_total",
                  "longattn_generation_tokens_total", "longattn_queue_depth", "longattn_kv_blocks_used",
-                 "longattn_kv_blocks_free", "longattn_prefix_cache_hits_total", "longattn_step_seconds_sum"):
+                 "longattn_kv_blocks_free", "longattn_prefix_cache_hits_total", "longattn_step_seconds_sum",
+                 'longattn_kv_pool_bytes{format="f32"}'):
         assert name in metrics
     ok = float(next(l for l in metrics.splitlines() if l.startswith('longattn_requests_total{outcome="ok"}')).split()[1])
     assert ok >= 9

@@ -33,6 +33,8 @@ def add_parser(sub) -> None:
                         "conversation filling the model's trained context, at least 4096, at most half the "
                         "memory available)")
     p.add_argument("--block-size", type=int, default=16, help="token slots per KV block")
+    p.add_argument("--kv", choices=["f32", "bf16"], default="f32",
+                   help="how the pool stores keys and values (bf16: half the memory per token)")
     p.add_argument("--max-batch", type=int, default=16, help="requests decoding at once")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for KV blocks before the server answers 429")
@@ -85,7 +87,7 @@ def run(args) -> int:
         raise LongattnError(f"--drain-timeout must be a finite number of seconds >= 0, got {args.drain_timeout}")
     config = EngineConfig(block_size=args.block_size, num_blocks=args.kv_blocks, max_batch=args.max_batch,
                           max_queue=args.max_queue, chunk=args.prefill_chunk, retain=args.prefix_cache,
-                          rewind=args.prefix_rewind, timeout=args.request_timeout)
+                          rewind=args.prefix_rewind, timeout=args.request_timeout, kv=args.kv)
     if args.policy == "sparse":
         raise LongattnError("serve runs window and dense policies; the paged cache has no sparse path")
     api_key = args.api_key if args.api_key is not None else os.environ.get("LONGATTN_API_KEY") or None

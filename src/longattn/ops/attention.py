@@ -107,6 +107,13 @@ def fused_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap,
             and (sink_logits is None or sink_logits.dtype == torch.float32) and native.available())
 
 
+def paged_fused_applies(q: torch.Tensor, pool: torch.Tensor, softcap, sink_logits=None) -> bool:
+    """The fused kernel reads a paged pool in place: float32 queries, a float32 or bfloat16
+    pool, no soft-capping."""
+    return (softcap is None and q.dtype == torch.float32 and pool.dtype in (torch.float32, torch.bfloat16)
+            and (sink_logits is None or sink_logits.dtype == torch.float32) and native.available())
+
+
 def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pos: torch.Tensor,
            window: Optional[int], sinks: int, scale: float, softcap: Optional[float] = None, *,
            fused: bool = True, banded_min_tokens: Optional[int] = BANDED_MIN_TOKENS,
@@ -129,9 +136,9 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         ``[B, H, Tq, D]``.
     """
     if isinstance(k, PagedRows):
-        if fused and fused_applies(q[:, :, :1], k.pool, v.pool, softcap, sink_logits):
+        if fused and paged_fused_applies(q, k.pool, softcap, sink_logits):
             return paged_rows_attention(q, q_pos, k, v, k_pos, window, sinks, scale, sink_logits)
-        k, v = k.gather(), v.gather()
+        k, v = k.gather().to(q.dtype), v.gather().to(q.dtype)  # a bfloat16 pool widens exactly
     if fused and fused_applies(q, k, v, softcap, sink_logits):
         none = k[:, :, :0]  # no separate own key: the cache already holds it
         return torch.ops.longattn_cpu.decode_attention(q, k, v, k_pos, q_pos, none, none,

@@ -42,6 +42,9 @@ log = logging.getLogger("longattn.serve")
 
 # distinct per-request policies remembered (each holds its own mask memo)
 MAX_POLICIES = 32
+# the pool's storage formats: keys and values rounded to this when stored (bf16: half the bytes;
+# the fused kernel widens each row exactly as it reads it)
+KV_FORMATS = {"f32": torch.float32, "bf16": torch.bfloat16}
 # the automatic pool's floor (many short conversations) and its share of the memory available
 AUTO_MIN_BLOCKS = 4096
 AUTO_MEMORY_SHARE = 0.5
@@ -84,6 +87,7 @@ class EngineConfig:
     retain: int = 16            # finished streams kept for prefix reuse (0 = off)
     rewind: int = 64            # positions a windowed layer keeps beyond its window (PagedStream)
     timeout: float = 0.0        # seconds a request may take from submission (0 = no limit)
+    kv: str = "f32"             # the pool's format: "f32" or "bf16" (KV_FORMATS)
 
     def __post_init__(self):
         check_int("--block-size", self.block_size, minimum=1)
@@ -93,6 +97,8 @@ class EngineConfig:
         check_int("--prefill-chunk", self.chunk, minimum=1)
         check_int("--prefix-cache", self.retain, minimum=0)
         check_int("--prefix-rewind", self.rewind, minimum=0)
+        if self.kv not in KV_FORMATS:
+            raise LongattnError(f"--kv must be one of {', '.join(KV_FORMATS)}, got {self.kv!r}")
         if not (isinstance(self.timeout, (int, float)) and 0 <= self.timeout < float("inf")):
             raise LongattnError(f"--request-timeout must be a finite number of seconds >= 0, got {self.timeout}")
 
@@ -171,10 +177,10 @@ class Engine:
         self.stop_ids = set(stop_ids)
         PagedStream.for_policy(policy)  # refuses kinds the pool cannot page
         self.policies = {(): policy}
+        kv_dtype = KV_FORMATS[config.kv] if model.activation_dtype == torch.float32 else model.activation_dtype
         if config.num_blocks is None:
-            config = self.config = dataclasses.replace(config, num_blocks=self.auto_blocks(policy, model.activation_dtype))
-        self.pool = BlockPool(config.num_blocks, config.block_size, self.cfg.num_kv_heads, self.cfg.head_dim,
-                              model.activation_dtype)
+            config = self.config = dataclasses.replace(config, num_blocks=self.auto_blocks(policy, kv_dtype))
+        self.pool = BlockPool(config.num_blocks, config.block_size, self.cfg.num_kv_heads, self.cfg.head_dim, kv_dtype)
         self.metrics = Metrics()
         self._cv = threading.Condition()
         self._inbox: list = []

@@ -33,6 +33,8 @@ def render_metrics(engine) -> str:
                    "for prefix reuse.", [({}, snap["blocks_retained"])])
     out += _family("longattn_kv_block_bytes", "gauge", "Bytes of keys and values one block holds.",
                    [({}, engine.pool.block_bytes)])
+    out += _family("longattn_kv_pool_bytes", "gauge", "Bytes of the whole KV pool, by storage format.",
+                   [({"format": engine.config.kv}, engine.pool.block_bytes * engine.pool.num_blocks)])
     out += _family("longattn_prefix_cache_queries_total", "counter", "Admissions that looked for a reusable prefix.",
                    [({}, m.prefix_queries)])
     out += _family("longattn_prefix_cache_hits_total", "counter", "Admissions that reused a cached prefix.",

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <utility>
@@ -21,17 +22,33 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-// a . b over D floats.
-inline float dot(const float* a, const float* b, int64_t D) {
+// Cache rows are float32 or bfloat16 (its bits as uint16_t). A bfloat16 value widens to float32
+// exactly, so a loop over bfloat16 rows gives the bits the float32 loop gives on the widened rows.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) {
+  const uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// a . b over D values (b float32 or bfloat16).
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t D) {
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
   int64_t d = 0;
   for (; d + 16 <= D; d += 16) {
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), a0);
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), a1);
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), load8(b + d), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), load8(b + d + 8), a1);
   }
-  for (; d + 8 <= D; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), a0);
+  for (; d + 8 <= D; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), load8(b + d), a0);
   float s = hsum(_mm256_add_ps(a0, a1));
-  for (; d < D; ++d) s += a[d] * b[d];
+  for (; d < D; ++d) s += a[d] * to_float(b[d]);
   return s;
 }
 
@@ -52,39 +69,41 @@ inline __m256 hsum8(const __m256* a) {
 
 // s[r] = q . rows[r] for 8 key rows: eight independent accumulator chains (one per row) keep
 // both FMA pipes busy, and each query load serves eight rows.
-inline void dot8(const float* q, const float* const* rows, int64_t D, float* s) {
+template <typename T>
+inline void dot8(const float* q, const T* const* rows, int64_t D, float* s) {
   __m256 a[8];
   for (int r = 0; r < 8; ++r) a[r] = _mm256_setzero_ps();
   int64_t d = 0;
   for (; d + 8 <= D; d += 8) {
     const __m256 qv = _mm256_loadu_ps(q + d);
-    for (int r = 0; r < 8; ++r) a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[r] + d), a[r]);
+    for (int r = 0; r < 8; ++r) a[r] = _mm256_fmadd_ps(qv, load8(rows[r] + d), a[r]);
   }
   _mm256_storeu_ps(s, hsum8(a));
   for (; d < D; ++d)
-    for (int r = 0; r < 8; ++r) s[r] += q[d] * rows[r][d];
+    for (int r = 0; r < 8; ++r) s[r] += q[d] * to_float(rows[r][d]);
 }
 
 // o[0:D] += sum_j p[j] * rows[j][0:D] over n rows, 64 columns (eight registers) at a time.
-inline void weighted_rows(const float* p, const float* const* rows, int64_t n, int64_t D, float* o) {
+template <typename T>
+inline void weighted_rows(const float* p, const T* const* rows, int64_t n, int64_t D, float* o) {
   int64_t d = 0;
   for (; d + 64 <= D; d += 64) {
     __m256 a[8];
     for (int i = 0; i < 8; ++i) a[i] = _mm256_loadu_ps(o + d + 8 * i);
     for (int64_t j = 0; j < n; ++j) {
       const __m256 w = _mm256_set1_ps(p[j]);
-      const float* r = rows[j] + d;
-      for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 8 * i), a[i]);
+      const T* r = rows[j] + d;
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(w, load8(r + 8 * i), a[i]);
     }
     for (int i = 0; i < 8; ++i) _mm256_storeu_ps(o + d + 8 * i, a[i]);
   }
   for (; d + 8 <= D; d += 8) {
     __m256 a = _mm256_loadu_ps(o + d);
-    for (int64_t j = 0; j < n; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(rows[j] + d), a);
+    for (int64_t j = 0; j < n; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), load8(rows[j] + d), a);
     _mm256_storeu_ps(o + d, a);
   }
   for (; d < D; ++d)
-    for (int64_t j = 0; j < n; ++j) o[d] += p[j] * rows[j][d];
+    for (int64_t j = 0; j < n; ++j) o[d] += p[j] * to_float(rows[j][d]);
 }
 
 // exp for x <= 0 (scores minus their max): Cody-Waite range reduction to 2^n * e^r with

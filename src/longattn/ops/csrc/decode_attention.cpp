@@ -3,6 +3,8 @@
 //
 //   q      [B, H, 1, D]    float32   the step's queries (H = Hkv * G query heads)
 //   k, v   [B, Hkv, S, D]  float32   the layer's buffer (slots in any order; rows contiguous,
+//                          or bfloat16 (widened exactly as each row is read: the bits of
+//                                    the float32 kernel on the widened cache)
 //                                    batch/head strides free, so a growing cache's view reads
 //                                    in place)
 //   k_pos  [B, S]          int64     absolute position per slot, -1 = empty
@@ -52,6 +54,7 @@
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -163,8 +166,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const std::optional<at::Tensor>& block_table, int64_t block_size, int64_t isa) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k_new.dim() == 4 && v_new.dim() == 4,
               "decode_attention: q [B, H, 1, D], k/v [B, Hkv, S, D], k_new/v_new [B, Hkv, 1, D]");
-  for (const auto* t : {&q, &k, &v, &k_new, &v_new})
-    TORCH_CHECK(t->scalar_type() == at::kFloat, "decode_attention: float32 tensors only");
+  for (const auto* t : {&q, &k_new, &v_new})
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "decode_attention: float32 queries and new keys only");
+  TORCH_CHECK((k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16) && v.scalar_type() == k.scalar_type(),
+              "decode_attention: the cache is float32 or bfloat16 (k and v alike)");
+  const bool bf16 = k.scalar_type() == at::kBFloat16;
   TORCH_CHECK(k_pos.scalar_type() == at::kLong && q_pos.scalar_type() == at::kLong,
               "decode_attention: positions are int64");
   const bool paged = block_table.has_value();
@@ -211,8 +217,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const auto knc = k_new.contiguous(), vnc = v_new.contiguous();
   const auto kpc = k_pos.contiguous(), qpc = q_pos.contiguous();
   const float* qp = qc.data_ptr<float>();
-  const float* kp = kc.data_ptr<float>();
-  const float* vp = vc.data_ptr<float>();
+  const void* kp = kc.data_ptr();
+  const void* vp = vc.data_ptr();
   const int64_t* kposp = kpc.data_ptr<int64_t>();
   const int64_t* qposp = qpc.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
@@ -253,7 +259,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   // partial[(b * Hkv + h) * chunks + c][g] = (max, normaliser, numerator[D])
   std::vector<float> part(heads * chunks * G * (D + 2));
   // the AVX-512 loops (same bits) where the CPU has them and rows are whole 512-bit vectors
-  const bool wide = longattn::use_avx512_dense_attention(isa) && D % 16 == 0;
+  // (float32 rows only: a bfloat16 cache reads through the AVX2 loops, widening each row)
+  const bool wide = !bf16 && longattn::use_avx512_dense_attention(isa) && D % 16 == 0;
 
   // Rows with the same paged view (a prefill chunk's queries, run as rows of one stream) go in
   // groups of up to kGroupRows per work item: rows that read the same slots of a chunk take their
@@ -270,109 +277,121 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   groups.push_back(B);
   const int64_t ngroups = static_cast<int64_t>(groups.size()) - 1;
 
-  at::parallel_for(0, ngroups * Hkv * chunks, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> qs, scores, loc;
-    std::vector<const float*> krow, vrow;
-    std::vector<std::vector<int64_t>> idx(kGroupRows);
-    std::vector<int64_t> subset;
-    std::vector<char> done;
-    for (int64_t item = i0; item < i1; ++item) {
-      const int64_t gi = item / (Hkv * chunks), h = item / chunks % Hkv, c = item % chunks;
-      const int64_t b0 = groups[gi], nrows = groups[gi + 1] - b0;
-      const int64_t s0 = bounds[b0 * (chunks + 1) + c], s1 = bounds[b0 * (chunks + 1) + c + 1];
-      const auto out_of = [&](int64_t b) { return part.data() + ((b * Hkv + h) * chunks + c) * G * (D + 2); };
-      for (int64_t r = 0; r < nrows; ++r) {
-        const int64_t pq = qposp[b0 + r];
-        idx[r].clear();
-        for (int64_t s = s0; s < s1; ++s) {
-          const int64_t pk = kposp[b0 * S + s];
-          if (pk >= 0 && pk <= pq && (window <= 0 || pq - pk < window || pk < sinks)) idx[r].push_back(s);
-        }
-        float* out = out_of(b0 + r);
-        for (int64_t g = 0; g < G; ++g) {
-          float* o = out + g * (D + 2);
-          o[0] = kNegInf;
-          o[1] = 0.0f;
-          std::fill(o + 2, o + 2 + D, 0.0f);
-        }
-      }
-      done.assign(nrows, 0);
-      for (int64_t r = 0; r < nrows; ++r) {
-        if (done[r] || idx[r].empty()) continue;
-        subset.clear();  // the rows reading exactly row r's slots
-        for (int64_t r2 = r; r2 < nrows; ++r2)
-          if (!done[r2] && idx[r2] == idx[r]) {
-            subset.push_back(r2);
-            done[r2] = 1;
+  // the item loop over rows of T (float, or uint16_t holding bfloat16)
+  const auto items = [&](auto type_tag) {
+    using T = decltype(type_tag);
+    at::parallel_for(0, ngroups * Hkv * chunks, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> qs, scores, loc;
+      std::vector<const T*> krow, vrow;
+      std::vector<std::vector<int64_t>> idx(kGroupRows);
+      std::vector<int64_t> subset;
+      std::vector<char> done;
+      for (int64_t item = i0; item < i1; ++item) {
+        const int64_t gi = item / (Hkv * chunks), h = item / chunks % Hkv, c = item % chunks;
+        const int64_t b0 = groups[gi], nrows = groups[gi + 1] - b0;
+        const int64_t s0 = bounds[b0 * (chunks + 1) + c], s1 = bounds[b0 * (chunks + 1) + c + 1];
+        const auto out_of = [&](int64_t b) { return part.data() + ((b * Hkv + h) * chunks + c) * G * (D + 2); };
+        for (int64_t r = 0; r < nrows; ++r) {
+          const int64_t pq = qposp[b0 + r];
+          idx[r].clear();
+          for (int64_t s = s0; s < s1; ++s) {
+            const int64_t pk = kposp[b0 * S + s];
+            if (pk >= 0 && pk <= pq && (window <= 0 || pq - pk < window || pk < sinks)) idx[r].push_back(s);
           }
-        const std::vector<int64_t>& ix = idx[r];
-        const int64_t n = static_cast<int64_t>(ix.size()), VG = static_cast<int64_t>(subset.size()) * G;
-        qs.resize(VG * D);
-        for (size_t si = 0; si < subset.size(); ++si) {
-          const float* qh = qp + ((b0 + subset[si]) * H + h * G) * D;
-          for (int64_t j = 0; j < G * D; ++j) qs[si * G * D + j] = qh[j] * sc;
+          float* out = out_of(b0 + r);
+          for (int64_t g = 0; g < G; ++g) {
+            float* o = out + g * (D + 2);
+            o[0] = kNegInf;
+            o[1] = 0.0f;
+            std::fill(o + 2, o + 2 + D, 0.0f);
+          }
         }
-        scores.resize(VG * n);
-        krow.resize(n);
-        vrow.resize(n);
-        const float* kh = kp + (paged ? 0 : b0 * ksb) + h * ksh;  // a pool has one base for all streams
-        const float* vh = vp + (paged ? 0 : b0 * vsb) + h * vsh;
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t rr = row_of(b0, ix[j]);
-          krow[j] = kh + rr * D;
-          vrow[j] = vh + rr * D;
-        }
-        const HeadPasses passes(VG);
-        // scores: eight rows at a time, every query head per block (the rows stay in L1)
-        int64_t j = 0;
-        float s8[8 * kWideHeads];
-        if (wide) {
-          for (; j + 8 <= n; j += 8)
-            for (int64_t i = 0; i < passes.n; ++i) {
-              const int64_t g0 = passes.first(i), gn = passes.first(i + 1) - g0;
-              with_heads<kWideHeads>(gn, [&](auto hh) {
-                scores8_wide<decltype(hh)::value>(qs.data() + g0 * D, krow.data() + j, D, s8);
-              });
-              for (int64_t g = 0; g < gn; ++g)
-                for (int k8 = 0; k8 < 8; ++k8) scores[(g0 + g) * n + j + k8] = s8[g * 8 + k8];
+        done.assign(nrows, 0);
+        for (int64_t r = 0; r < nrows; ++r) {
+          if (done[r] || idx[r].empty()) continue;
+          subset.clear();  // the rows reading exactly row r's slots
+          for (int64_t r2 = r; r2 < nrows; ++r2)
+            if (!done[r2] && idx[r2] == idx[r]) {
+              subset.push_back(r2);
+              done[r2] = 1;
             }
-        } else {
-          for (; j + 8 <= n; j += 8)
-            for (int64_t g = 0; g < VG; ++g) {
-              dot8(qs.data() + g * D, krow.data() + j, D, s8);
-              for (int k8 = 0; k8 < 8; ++k8) scores[g * n + j + k8] = s8[k8];
-            }
-        }
-        for (; j < n; ++j)
-          for (int64_t g = 0; g < VG; ++g) scores[g * n + j] = dot(qs.data() + g * D, krow[j], D);
-        loc.assign(VG * (D + 2), 0.0f);
-        for (int64_t g = 0; g < VG; ++g) {
-          float* sg = scores.data() + g * n;
-          const float m = max_of(sg, n);
-          loc[g * (D + 2)] = m;
-          loc[g * (D + 2) + 1] = exp_shift_sum(sg, n, m);
-        }
-        // numerators: tiles of 32 rows (<= 32 KiB at D = 256) reused by every head from cache
-        for (int64_t r0 = 0; r0 < n; r0 += 32) {
-          const int64_t nr = std::min<int64_t>(32, n - r0);
-          if (wide) {
-            for (int64_t i = 0; i < passes.n; ++i) {
-              const int64_t g0 = passes.first(i), gn = passes.first(i + 1) - g0;
-              with_heads<kWideHeads>(gn, [&](auto hh) {
-                weighted_rows_wide<decltype(hh)::value>(scores.data() + g0 * n + r0, n, vrow.data() + r0, nr, D,
-                                                        loc.data() + g0 * (D + 2) + 2, D + 2);
-              });
-            }
+          const std::vector<int64_t>& ix = idx[r];
+          const int64_t n = static_cast<int64_t>(ix.size()), VG = static_cast<int64_t>(subset.size()) * G;
+          qs.resize(VG * D);
+          for (size_t si = 0; si < subset.size(); ++si) {
+            const float* qh = qp + ((b0 + subset[si]) * H + h * G) * D;
+            for (int64_t j = 0; j < G * D; ++j) qs[si * G * D + j] = qh[j] * sc;
+          }
+          scores.resize(VG * n);
+          krow.resize(n);
+          vrow.resize(n);
+          const T* kh = static_cast<const T*>(kp) + (paged ? 0 : b0 * ksb) + h * ksh;  // a pool: one base
+          const T* vh = static_cast<const T*>(vp) + (paged ? 0 : b0 * vsb) + h * vsh;
+          for (int64_t j = 0; j < n; ++j) {
+            const int64_t rr = row_of(b0, ix[j]);
+            krow[j] = kh + rr * D;
+            vrow[j] = vh + rr * D;
+          }
+          const HeadPasses passes(VG);
+          // scores: eight rows at a time, every query head per block (the rows stay in L1)
+          int64_t j = 0;
+          float s8[8 * kWideHeads];
+          bool wide_rows = false;  // the AVX-512 loops read float32 rows only
+          if constexpr (std::is_same_v<T, float>) wide_rows = wide;
+          if (wide_rows) {
+            if constexpr (std::is_same_v<T, float>)
+            for (; j + 8 <= n; j += 8)
+              for (int64_t i = 0; i < passes.n; ++i) {
+                const int64_t g0 = passes.first(i), gn = passes.first(i + 1) - g0;
+                with_heads<kWideHeads>(gn, [&](auto hh) {
+                  scores8_wide<decltype(hh)::value>(qs.data() + g0 * D, krow.data() + j, D, s8);
+                });
+                for (int64_t g = 0; g < gn; ++g)
+                  for (int k8 = 0; k8 < 8; ++k8) scores[(g0 + g) * n + j + k8] = s8[g * 8 + k8];
+              }
           } else {
-            for (int64_t g = 0; g < VG; ++g)
-              weighted_rows(scores.data() + g * n + r0, vrow.data() + r0, nr, D, loc.data() + g * (D + 2) + 2);
+            for (; j + 8 <= n; j += 8)
+              for (int64_t g = 0; g < VG; ++g) {
+                dot8(qs.data() + g * D, krow.data() + j, D, s8);
+                for (int k8 = 0; k8 < 8; ++k8) scores[g * n + j + k8] = s8[k8];
+              }
           }
+          for (; j < n; ++j)
+            for (int64_t g = 0; g < VG; ++g) scores[g * n + j] = dot(qs.data() + g * D, krow[j], D);
+          loc.assign(VG * (D + 2), 0.0f);
+          for (int64_t g = 0; g < VG; ++g) {
+            float* sg = scores.data() + g * n;
+            const float m = max_of(sg, n);
+            loc[g * (D + 2)] = m;
+            loc[g * (D + 2) + 1] = exp_shift_sum(sg, n, m);
+          }
+          // numerators: tiles of 32 rows (<= 32 KiB at D = 256) reused by every head from cache
+          for (int64_t r0 = 0; r0 < n; r0 += 32) {
+            const int64_t nr = std::min<int64_t>(32, n - r0);
+            if (wide_rows) {
+              if constexpr (std::is_same_v<T, float>)
+              for (int64_t i = 0; i < passes.n; ++i) {
+                const int64_t g0 = passes.first(i), gn = passes.first(i + 1) - g0;
+                with_heads<kWideHeads>(gn, [&](auto hh) {
+                  weighted_rows_wide<decltype(hh)::value>(scores.data() + g0 * n + r0, n, vrow.data() + r0, nr, D,
+                                                          loc.data() + g0 * (D + 2) + 2, D + 2);
+                });
+              }
+            } else {
+              for (int64_t g = 0; g < VG; ++g)
+                weighted_rows(scores.data() + g * n + r0, vrow.data() + r0, nr, D, loc.data() + g * (D + 2) + 2);
+            }
+          }
+          for (size_t si = 0; si < subset.size(); ++si)
+            std::copy(loc.begin() + si * G * (D + 2), loc.begin() + (si + 1) * G * (D + 2), out_of(b0 + subset[si]));
         }
-        for (size_t si = 0; si < subset.size(); ++si)
-          std::copy(loc.begin() + si * G * (D + 2), loc.begin() + (si + 1) * G * (D + 2), out_of(b0 + subset[si]));
       }
-    }
-  });
+    });
+  };
+  if (bf16)
+    items(uint16_t{});
+  else
+    items(0.0f);
 
   auto y = at::empty({B, H, 1, D}, qc.options());
   float* yp = y.data_ptr<float>();
