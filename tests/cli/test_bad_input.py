@@ -407,3 +407,16 @@ def test_cli_ctrl_c_early(tmp_path, delay):
         return
     assert p.returncode == 130, err
     assert error_lines(err) == ["longattn: interrupted"], err
+
+
+def test_ctrl_c_inside_an_import_ends_at_once_with_one_line(tmp_path):
+    """An interrupt that lands while a module is being imported (torch runs parts of its
+    import from C++, where a raised KeyboardInterrupt aborts the process) ends the process at
+    once with the one line and 130."""
+    (tmp_path / "slow_import.py").write_text("import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\n"
+                                             "time.sleep(5)\n")
+    code = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            "from longattn.cli import interrupt; interrupt.install(); import slow_import\n")
+    env = dict(__import__("os").environ, PYTHONPATH=f"{tmp_path}:{Path(__file__).parents[2] / 'src'}")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 130 and p.stderr == "longattn: interrupted\n", p.stderr
