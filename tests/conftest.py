@@ -26,7 +26,7 @@ TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_laye
 def tiny_hf_config(family: str, **over):
     from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
                               Qwen3Config)
-    kw = dict(TINY, **({"num_hidden_layers": 6} if family == "gemma3" else {}), **over)
+    kw = {**TINY, **({"num_hidden_layers": 6} if family == "gemma3" else {}), **over}
     if family == "llama":
         return LlamaConfig(**{"rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, **kw})
     if family == "qwen2":
@@ -49,10 +49,13 @@ def tiny_hf_config(family: str, **over):
     if family == "gemma3":
         L = kw["num_hidden_layers"]
         return Gemma3TextConfig(
-            sliding_window=kw.pop("sliding_window", 8), query_pre_attn_scalar=16, rms_norm_eps=1e-6,
-            layer_types=["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(L)],
-            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+            sliding_window=kw.pop("sliding_window", 8), query_pre_attn_scalar=kw.pop("query_pre_attn_scalar", 16),
+            rms_norm_eps=kw.pop("rms_norm_eps", 1e-6),
+            layer_types=kw.pop("layer_types", ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention"
+                                               for i in range(L)]),
+            rope_parameters=kw.pop("rope_parameters", {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                       "sliding_attention": {"rope_type": "default",
+                                                                             "rope_theta": 1e4}}),
             **kw)
     raise ValueError(family)
 

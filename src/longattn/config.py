@@ -54,6 +54,9 @@ class ModelConfig:
     swiglu_alpha: float = 1.702        # gpt-oss expert activation: gate * sigmoid(alpha * gate)
     swiglu_limit: float = 7.0          # gpt-oss expert activation clamp
     rope_scaling: Optional[dict] = None  # models.rope form, e.g. {"rope_type": "linear", "factor": 8.0}
+    # Phi-3: a stream that passes a longrope's original context has its whole cache recomputed
+    # with the long factors (transformers' Phi-3 generation; engine.session)
+    longrope_recompute: bool = False
     bos_token_id: Optional[int] = None
     eos_token_ids: list = field(default_factory=list)
     name: str = ""

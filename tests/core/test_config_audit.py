@@ -75,3 +75,86 @@ def test_config_field_honoured_or_refused(family, over, expect):
     if expect is not None:  # same weights under the default value: does the field matter?
         moved = (hf - _hf_logits(tiny_dir(family), ids)).abs().max().item()
         assert (moved > 1e-3) == expect, f"{family} {over}: changes the function by {moved:.2e}"
+
+
+# ---------------------------------------------------------------- every field of every family
+
+def _layers(family):
+    return 6 if family == "gemma3" else 3
+
+
+def _other_layer_types(family):
+    """A layer pattern other than the family's default."""
+    n = _layers(family)
+    return ["full_attention"] + ["sliding_attention"] * (n - 1)
+
+
+# One value other than the tiny checkpoint's for each field of the families' config classes
+# (a callable takes the family). A field transformers adds has none, and fails
+# test_every_class_field_has_a_perturbation.
+PERTURB = {
+    "vocab_size": 80, "hidden_size": 48, "intermediate_size": 40, "num_hidden_layers": 2,
+    "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 24,
+    "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "silu", "max_position_embeddings": 32,
+    "rms_norm_eps": 0.5,
+    "tie_word_embeddings": lambda f: f not in ("qwen2", "qwen3", "gemma2", "gemma3"),
+    "rope_parameters": lambda f: (
+        {"full_attention": {"rope_type": "default", "rope_theta": 50.0},
+         "sliding_attention": {"rope_type": "default", "rope_theta": 30.0}} if f == "gemma3"
+        else {"rope_type": "default", "rope_theta": 50.0}),
+    "attention_bias": lambda f: f != "gpt_oss", "mlp_bias": True, "sliding_window": 4,
+    "use_sliding_window": True, "max_window_layers": 1, "layer_types": _other_layer_types,
+    "query_pre_attn_scalar": 64, "final_logit_softcapping": 2.0, "attn_logit_softcapping": 2.0,
+    "use_bidirectional_attention": True, "original_max_position_embeddings": 8,
+    "num_local_experts": 3, "num_experts_per_tok": 1, "swiglu_alpha": 1.0, "swiglu_limit": 2.0,
+    # no effect at inference in transformers either (randomized weights overwrite the init)
+    "pretraining_tp": 2, "resid_pdrop": 0.3, "embd_pdrop": 0.3, "attention_dropout": 0.5,
+    "initializer_range": 0.5, "use_cache": False, "pad_token_id": 5, "bos_token_id": 5, "eos_token_id": 5,
+    "router_aux_loss_coef": 0.5, "output_router_logits": True,
+}
+
+
+def _class_fields(family):
+    import dataclasses
+    import transformers
+    from longattn.checkpoint.hf_fields import CONFIG_CLASS
+    base = {f.name for f in dataclasses.fields(transformers.PreTrainedConfig)}
+    return [f.name for f in dataclasses.fields(getattr(transformers, CONFIG_CLASS[family])) if f.name not in base]
+
+
+def _grid():
+    from longattn.checkpoint.hf_fields import CONFIG_CLASS, FIELDS
+    return [(fam, field) for fam in CONFIG_CLASS for field in FIELDS[fam]]
+
+
+def test_every_class_field_has_a_perturbation():
+    from longattn.checkpoint.hf_fields import CONFIG_CLASS
+    missing = {fam: sorted(set(_class_fields(fam)) - set(PERTURB)) for fam in CONFIG_CLASS}
+    assert not any(missing.values()), f"fields without an audit case: {missing}"
+
+
+@pytest.mark.parametrize("family, field", _grid(), ids=[f"{f}-{x}" for f, x in _grid()])
+def test_every_field_honoured_or_refused(family, field):
+    """The field at a value other than the tiny checkpoint's: longattn's logits equal
+    transformers' on that checkpoint (so the value changes both alike, or neither), or
+    loading is refused in one line."""
+    from longattn.checkpoint import load_checkpoint
+    from longattn.models import build_model
+    value = PERTURB[field](family) if callable(PERTURB[field]) else PERTURB[field]
+    try:
+        d = tiny_dir(family, **{field: value})
+    except Exception:  # transformers refuses the value: nothing to match
+        pytest.skip(f"transformers refuses {field}={value!r} for {family}")
+    ids = torch.randint(0, 40, (1, 24), generator=torch.Generator().manual_seed(7))
+    try:
+        ck = load_checkpoint(d, with_tokenizer=False)
+        ours = build_model(ck.config, ck.state_dict)(ids)
+    except LongattnError as e:
+        assert "\n" not in str(e)
+        return
+    try:
+        hf = _hf_logits(d, ids)
+    except Exception as e:  # transformers cannot run it either (qwen2 sliding layers without a window)
+        pytest.skip(f"transformers fails on {field}={value!r} for {family}: {type(e).__name__}")
+    err = (ours - hf).abs().max().item()
+    assert err < 1e-4, f"{family} {field}={value!r}: max |delta logit| {err:.2e}"

@@ -24,8 +24,13 @@ SDIST_ENV = "LONGATTN_LLAMACPP_SDIST"
 INNER = "vendor/llama.cpp"
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 16, "rope_theta": 10000.0}
-# name: (family, config fields); Gemma 2 with query_pre_attn_scalar = head_dim, the value the
-# file's readers assume (the converter does not write it).
+# Gemma 3 as its 4B-27B checkpoints ship: linear x8 on the global layers only, the local
+# layers with a base of their own (written as rope.freq_base_swa); every 6th layer global.
+GEMMA3_LINEAR = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                 "sliding_attention": {"rope_type": "default", "rope_theta": 2e4}}
+GEMMA3_PATTERN = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(6)]
+# name: (family, config fields); Gemma 2 and 3 with query_pre_attn_scalar = head_dim, the value
+# the file's readers assume (the converter does not write it).
 MATCH = {
     "llama": ("llama", {}),
     "llama3-rope": ("llama", {"rope_parameters": LLAMA3, "max_position_embeddings": 64}),
@@ -34,6 +39,7 @@ MATCH = {
     "qwen3": ("qwen3", {}),
     "phi3": ("phi3", {}),
     "gemma2": ("gemma2", {"query_pre_attn_scalar": 16}),
+    "gemma3-linear": ("gemma3", {"rope_parameters": GEMMA3_LINEAR, "layer_types": GEMMA3_PATTERN}),
 }
 
 
@@ -82,8 +88,11 @@ def test_llamacpp_gguf_gives_hf_logits(gguf_files, name):
     assert err < 1e-4, f"{name}: max |delta logit| {err:.2e}"
     if name == "llama3-rope":
         assert cfg.rope_scaling["rope_type"] == "freq_factors"
-    if family in ("phi3", "gemma2"):
+    if family in ("phi3", "gemma2", "gemma3"):
         assert any(w == 8 for w in cfg.layer_windows)
+    if family == "gemma3":  # the scaling and the file's base on the global layer only
+        assert cfg.layer_rope_theta == [2e4] * 5 + [1e6]
+        assert cfg.layer_rope_scaling == [None] * 5 + [{"rope_type": "linear", "factor": 8.0}]
 
 
 def test_llamacpp_drops_mistral_window(gguf_files):

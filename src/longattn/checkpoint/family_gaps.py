@@ -1,21 +1,43 @@
 """Facts a checkpoint file does not carry, filled from each family's published config.
 
 This is the ONE place where longattn supplies architecture data that the file lacks.
-Everything here is checked against transformers in the tests (tests/core/test_oracle_real.py).
+Everything here is checked against transformers in the tests (tests/core/test_oracle_real.py,
+tests/core/test_gguf_gemma3.py).
 
-Gemma 3 GGUF files store ``sliding_window`` (512) and a single rope base (the global one,
-1e6), but neither the local/global layer pattern nor the local rope base. The published
-Gemma 3 text config (transformers ``Gemma3TextConfig``: ``sliding_window_pattern = 6``,
-``rope_local_base_freq = 10000.0``; ``layer_types[i] = "full_attention" if (i + 1) % 6 == 0
-else "sliding_attention"``) supplies them.
+Gemma 3 GGUF files store ``sliding_window`` (512), the global layers' rope base and scaling
+(``rope.freq_base``, ``rope.scaling.*``) and, from llama.cpp's converter, the local layers'
+base (``rope.freq_base_swa``), but not always the local/global layer pattern. Where the file
+lacks them, transformers' ``Gemma3TextConfig`` supplies them (``sliding_window_pattern = 6``:
+``layer_types[i] = "full_attention" if (i + 1) % 6 == 0 else "sliding_attention"``; local
+base ``rope_local_base_freq = 10000.0``), as llama.cpp's Gemma 3 loader does. A file without
+a sliding window has no local layers (llama.cpp runs every layer global).
 """
 
 GEMMA3_GLOBAL_EVERY = 6            # layer i is global when (i + 1) % 6 == 0
 GEMMA3_LOCAL_ROPE_THETA = 10000.0  # rope base on sliding (local) layers
+GEMMA3_27B_LAYERS = 62
 
 
-def gemma3_layer_is_global(i: int) -> bool:
-    return (i + 1) % GEMMA3_GLOBAL_EVERY == 0
+def gemma3_global_layers(pattern, num_layers: int, windowed: bool) -> list:
+    """``[L]`` bool: layer i is global (full attention). ``pattern`` is the file's
+    ``attention.sliding_window_pattern``: a per-layer list (true = local), a period ``n``
+    (layer i local unless ``(i + 1) % n == 0``; 0 = every layer local), or None (period 6).
+    Without a window (``windowed`` false) every layer is global."""
+    if not windowed:
+        return [True] * num_layers
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise ValueError(f"attention.sliding_window_pattern has {len(pattern)} entries for {num_layers} layers")
+        return [not bool(p) for p in pattern]
+    n = GEMMA3_GLOBAL_EVERY if pattern is None else int(pattern)
+    return [n != 0 and (i + 1) % n == 0 for i in range(num_layers)]
+
+
+def gemma3_query_pre_attn_scalar(num_layers: int, hidden: int, heads: int, head_dim: int) -> float:
+    """The published Gemma 3 configs' query_pre_attn_scalar: head_dim (256), except
+    hidden_size / heads (5376 / 32 = 168) for gemma-3-27b, the 62-layer model -- the rule
+    llama.cpp's Gemma 3 loader applies."""
+    return float(hidden // heads) if num_layers == GEMMA3_27B_LAYERS else float(head_dim)
 
 
 # Gemma 2 GGUF files store the window and both soft-caps, but neither the layer pattern, the

@@ -21,7 +21,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import LongattnError
 from .family_gaps import (GEMMA2_ROPE_THETA, GEMMA2_WINDOW, GEMMA3_LOCAL_ROPE_THETA, gemma2_layer_is_global,
-                          gemma2_query_pre_attn_scalar, gemma3_layer_is_global)
+                          gemma2_query_pre_attn_scalar, gemma3_global_layers, gemma3_query_pre_attn_scalar)
 from .integrity import check_gguf_structure, check_values
 from .lazy_weights import LazyWeights
 
@@ -118,6 +118,7 @@ def read_gguf_config(reader, path: Path) -> ModelConfig:
         tie_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
+        longrope_recompute=arch == "phi3",
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=[int(eos)] if eos is not None else [],
         name=str(_field(reader, "general.name", path.stem)),
@@ -134,13 +135,17 @@ def read_gguf_config(reader, path: Path) -> ModelConfig:
             attn_softcap=a("attn_logit_softcapping"), final_softcap=a("final_logit_softcapping"),
             layer_windows=[None if g else int(window or GEMMA2_WINDOW) for g in glob])
     if arch == "gemma3":
-        window = int(a("attention.sliding_window", 512))
-        glob = [gemma3_layer_is_global(i) for i in range(n_layers)]
+        window = int(a("attention.sliding_window", 0) or 0)
+        glob = gemma3_global_layers(a("attention.sliding_window_pattern"), n_layers, windowed=window > 0)
+        local_theta = float(a("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_THETA))
         kw.update(
-            norm_plus_one=True, sandwich_norms=True, embed_scale=hidden ** 0.5,
-            activation="gelu_tanh", query_pre_attn_scalar=float(head_dim),
+            norm_plus_one=True, sandwich_norms=True, embed_scale=hidden ** 0.5, activation="gelu_tanh",
+            query_pre_attn_scalar=gemma3_query_pre_attn_scalar(n_layers, hidden, n_heads, head_dim),
             layer_windows=[None if g else window for g in glob],
-            layer_rope_theta=[theta if g else GEMMA3_LOCAL_ROPE_THETA for g in glob],
+            # the file's base and scaling are the global layers'; local layers have their own
+            # base (rope.freq_base_swa) and no scaling, as llama.cpp and transformers run them
+            layer_rope_theta=[theta if g else local_theta for g in glob],
+            layer_rope_scaling=[kw["rope_scaling"] if g else None for g in glob],
         )
         # Gemma 3's chat turns end with <end_of_turn> (id 106) as well as <eos>.
         kw["eos_token_ids"] = sorted(set(kw["eos_token_ids"]) | {106})

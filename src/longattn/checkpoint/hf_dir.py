@@ -2,11 +2,15 @@
 
 Every config.json field that changes a family's outputs in transformers is either read
 here or refused with one line (docs/families.md lists them per family); fields that do not
-change outputs at inference (dropouts, initializer ranges, cache flags) are not read.
+change outputs at inference (dropouts, initializer ranges, cache flags) are not read. Each
+field is read through hf_fields: the family's transformers config class's fields, with its
+defaults. Whether the head is tied to the embedding is decided with the stored tensors, as
+transformers decides it (``hf_dir_config``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -14,6 +18,7 @@ import torch
 
 from ..config import FAMILIES, ModelConfig
 from ..errors import LongattnError
+from .hf_fields import GPT_OSS_ROPE, Fields
 from .integrity import check_values
 from .lazy_weights import LazyWeights
 
@@ -28,58 +33,102 @@ _GEMMA = ("gemma2", "gemma3")
 _QWEN = ("qwen2", "qwen3")
 # Families whose transformers model applies sliding_window on every layer.
 _WINDOW_EVERY_LAYER = ("mistral", "phi3")
+# rope types whose parameters include original_max_position_embeddings
+_ORIGINAL_CONTEXT_TYPES = ("llama3", "yarn", "longrope")
+_LAYER_KINDS = ("full_attention", "sliding_attention")
+OMP = "original_max_position_embeddings"
 
 
-def _rope(d: dict, params: dict | None) -> tuple[float, dict | None]:
-    """(rope base, scaling dict or None) from one rope_parameters dict, or from the older
-    top-level ``rope_theta`` / ``rope_scaling`` / ``partial_rotary_factor`` fields."""
-    if params is None:
-        params = dict(d.get("rope_scaling") or {})
-    else:
-        params = dict(params)
-    theta = params.pop("rope_theta", None) or d.get("rope_theta") or 10000.0
-    if d.get("partial_rotary_factor") is not None:
-        params.setdefault("partial_rotary_factor", d["partial_rotary_factor"])
-    t = params.get("rope_type") or params.get("type") or "default"
-    if t in ("llama3", "yarn", "longrope"):
-        # transformers gives a top-level original_max_position_embeddings (Phi-3) priority
-        if d.get("original_max_position_embeddings") is not None:
-            params["original_max_position_embeddings"] = d["original_max_position_embeddings"]
-        params.setdefault("original_max_position_embeddings", d.get("max_position_embeddings"))
-    return float(theta), (params or None)
+def _standard_rope(params: dict, f: Fields, top_level_original: bool) -> tuple[float, dict | None]:
+    """(rope base, scaling dict or None) of one rope_parameters dict after transformers'
+    ``standardize_rope_params``: ``rope_type`` from the older ``type``, the top-level
+    ``partial_rotary_factor``, and ``original_max_position_embeddings`` for the types that use
+    it (the top-level field where ``top_level_original``, else ``max_position_embeddings``)."""
+    params = dict(params)
+    params.setdefault("rope_type", params.get("type", "default"))
+    params.pop("type", None)
+    if f("partial_rotary_factor") is not None:
+        params.setdefault("partial_rotary_factor", f("partial_rotary_factor"))
+    if params["rope_type"] in _ORIGINAL_CONTEXT_TYPES:
+        if top_level_original:
+            params[OMP] = f(OMP) if f.has_field(OMP) else f.d[OMP]
+        params.setdefault(OMP, f("max_position_embeddings"))
+    theta = params.pop("rope_theta")
+    return float(theta), params
 
 
-def _layer_types(d: dict, family: str, n_layers: int) -> list | None:
+def _rope(f: Fields) -> tuple[float, dict | None]:
+    """One rope for every layer, read as transformers' ``convert_rope_params_to_dict`` does: the
+    older ``rope_scaling`` takes precedence over ``rope_parameters``; ``rope_theta`` inside it,
+    else the top-level ``rope_theta``, else the class's default base."""
+    if isinstance(f("rope_parameters"), dict) and set(f("rope_parameters")) & set(_LAYER_KINDS):
+        raise LongattnError(f"config rope_parameters is nested per layer type, which transformers' {f.family} "
+                            "model does not read (Gemma 3 does); give one rope_parameters for every layer")
+    rp = f("rope_parameters")
+    if f.family == "gpt_oss" and rp is None:
+        rp = GPT_OSS_ROPE  # GptOssConfig's own default
+    params = dict(f("rope_scaling") or rp or {})
+    params.setdefault("rope_theta", f("rope_theta"))
+    if f.family == "phi3":
+        # Phi3Config reads the older "su" and "yarn" as longrope and refuses any other type
+        t = params.get("rope_type", params.get("type", "default"))
+        if t in ("su", "yarn"):
+            params["rope_type"] = "longrope"
+        elif t not in ("default", "longrope"):
+            raise LongattnError(f"phi3 rope_type '{t}' is refused by transformers' Phi3Config (default or "
+                                "longrope); longattn refuses it too")
+    # Phi-3's top-level original_max_position_embeddings (a Phi3Config field, 4096 when absent)
+    # replaces rope_parameters' own; other families give a top-level one priority when set.
+    return _standard_rope(params, f, top_level_original=f.family == "phi3" or OMP in f.d)
+
+
+def _gemma3_rope(f: Fields, lt: list) -> dict:
+    """Gemma 3's rope per layer type, as ``Gemma3TextConfig.convert_rope_params_to_dict`` reads
+    it: ``rope_parameters.full_attention`` / ``.sliding_attention``; the older ``rope_scaling``
+    applies to the global (full-attention) layers only; a missing base is ``rope_theta`` (global,
+    default 1e6) or ``rope_local_base_freq`` (local, default 1e4). Returns ModelConfig keywords."""
+    rp = f("rope_parameters")
+    if rp is None:
+        rp = {t: {"rope_type": "default"} for t in _LAYER_KINDS}
+    if not isinstance(rp, dict) or set(rp) - set(_LAYER_KINDS):
+        raise LongattnError("gemma3 rope_parameters must be nested per layer type (full_attention, "
+                            f"sliding_attention); transformers ignores keys outside them: {sorted(rp)}")
+    by_type = {t: dict(rp.get(t) or {"rope_type": "default"}) for t in _LAYER_KINDS}
+    if f("rope_scaling") is not None:
+        by_type["full_attention"].update(f("rope_scaling"))
+    by_type["full_attention"].setdefault("rope_theta", f("rope_theta"))
+    by_type["sliding_attention"].setdefault("rope_theta", f("rope_local_base_freq"))
+    rope = {t: _standard_rope(p, f, top_level_original=False) for t, p in by_type.items()}
+    return dict(rope_theta=rope["full_attention"][0], rope_scaling=rope["full_attention"][1] or None,
+                layer_rope_theta=[rope[t][0] for t in lt], layer_rope_scaling=[rope[t][1] or None for t in lt])
+
+
+def _layer_types(f: Fields, n_layers: int) -> list | None:
     """Each layer's "sliding_attention" / "full_attention" as transformers derives it."""
-    lt = d.get("layer_types")
-    if lt is not None and family not in _GEMMA + _QWEN + ("gpt_oss",):
+    family = f.family
+    lt = f.d.get("layer_types")
+    if lt is not None and not f.has_field("layer_types"):
         raise LongattnError(f"config has layer_types, which transformers' {family} model does not read; "
                             "longattn refuses to guess which layers are windowed")
     if lt is None:
         if family in ("gemma2", "gpt_oss"):
             lt = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)]
         elif family == "gemma3":
-            pattern = int(d.get("sliding_window_pattern", 6))
+            pattern = int(f("sliding_window_pattern"))
             lt = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n_layers)]
         elif family in _QWEN:
-            first = int(d.get("max_window_layers", 28))
+            first = int(f("max_window_layers"))
             lt = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
         else:
             return None
     lt = list(lt)
     if len(lt) != n_layers:
         raise LongattnError(f"config layer_types has {len(lt)} entries for {n_layers} layers")
-    unknown = sorted(set(lt) - {"sliding_attention", "full_attention"})
+    unknown = sorted(set(lt) - set(_LAYER_KINDS))
     if unknown:
         raise LongattnError(f"config layer_types has unknown kind(s) {unknown}; longattn knows "
                             "sliding_attention and full_attention")
     return lt
-
-
-def _refuse(d: dict) -> None:
-    """One line for a config field that changes outputs and longattn does not implement."""
-    if d.get("use_bidirectional_attention"):
-        raise LongattnError("use_bidirectional_attention is set; longattn runs causal decoders only")
 
 
 def _check_heads(hidden: int, n_heads: int, n_kv: int, head_dim) -> None:
@@ -97,7 +146,11 @@ def _check_heads(hidden: int, n_heads: int, n_kv: int, head_dim) -> None:
 
 
 def read_hf_config(d: dict, name: str = "") -> ModelConfig:
-    """A config.json dict -> ModelConfig (raises LongattnError with one line for what it refuses)."""
+    """A config.json dict -> ModelConfig (raises LongattnError with one line for what it refuses).
+
+    Each field is read as the family's transformers config class reads it (hf_fields: a field
+    config.json lacks takes the class default; a field the class does not have is not read).
+    """
     if d.get("model_type") == "gemma3" and "text_config" in d:
         d = {**d["text_config"], "model_type": "gemma3_text"}
     mt = d.get("model_type")
@@ -105,48 +158,58 @@ def read_hf_config(d: dict, name: str = "") -> ModelConfig:
     if family is None:
         raise LongattnError(f"unsupported architecture '{mt}' in config.json; longattn runs: "
                             f"{', '.join(FAMILIES)}")
-    _refuse(d)
-    n_layers = int(d["num_hidden_layers"])
-    n_heads = int(d["num_attention_heads"])
-    n_kv = int(d.get("num_key_value_heads") or n_heads)
-    _check_heads(int(d["hidden_size"]), n_heads, n_kv, d.get("head_dim"))
-    head_dim = int(d.get("head_dim") or d["hidden_size"] // n_heads)
-    act_name = d.get("hidden_activation") or d.get("hidden_act") or ("gelu_pytorch_tanh" if family in _GEMMA
-                                                                      else "silu")
+    f = Fields(d, family)
+    if family in _GEMMA and f("use_bidirectional_attention"):
+        raise LongattnError("use_bidirectional_attention is set; longattn runs causal decoders only")
+    n_layers = int(f("num_hidden_layers"))
+    n_heads = int(f("num_attention_heads"))
+    n_kv = f("num_key_value_heads")
+    n_kv = n_heads if n_kv is None else int(n_kv)
+    hidden = int(f("hidden_size"))
+    # Qwen2 and Phi-3 have no head_dim field; their models read one config.json sets all the same
+    head_dim = f("head_dim") if f.has_field("head_dim") else d.get("head_dim")
+    _check_heads(hidden, n_heads, n_kv, head_dim)
+    head_dim = int(head_dim or hidden // n_heads)
+    if family == "gpt_oss":
+        act_name = "silu"  # its experts' activation is swiglu_alpha / swiglu_limit; hidden_act is unused
+    else:
+        act_name = f("hidden_activation" if family in _GEMMA else "hidden_act")
     if act_name not in _ACTIVATIONS:
         raise LongattnError(f"activation '{act_name}' is not implemented; longattn runs "
                             f"{', '.join(_ACTIVATIONS)}")
-    eos = d.get("eos_token_id")
-    attn_bias = bool(d.get("attention_bias", family == "gpt_oss"))
+    eos = f("eos_token_id")
+    attn_bias = bool(f("attention_bias")) if f.has_field("attention_bias") else False
     kw = dict(
-        family=family, vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
-        intermediate_size=int(d["intermediate_size"]), num_layers=n_layers, num_heads=n_heads,
+        family=family, vocab_size=int(f("vocab_size")), hidden_size=hidden,
+        intermediate_size=int(f("intermediate_size")), num_layers=n_layers, num_heads=n_heads,
         num_kv_heads=n_kv, head_dim=head_dim,
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        max_context=int(d.get("max_position_embeddings", 8192)),
-        tie_embeddings=bool(d.get("tie_word_embeddings", family in _GEMMA)),
+        rms_norm_eps=float(f("rms_norm_eps")),
+        max_context=int(f("max_position_embeddings")),
+        tie_embeddings=bool(f("tie_word_embeddings")),
         # Qwen2 always has q/k/v biases and no output bias; elsewhere attention_bias is all four.
-        qkv_bias=family == "qwen2" or attn_bias, o_bias=family != "qwen2" and attn_bias,
-        mlp_bias=bool(d.get("mlp_bias", False)),
+        qkv_bias=family == "qwen2" or attn_bias, o_bias=attn_bias,
+        mlp_bias=bool(f("mlp_bias")) if f.has_field("mlp_bias") else False,
         qk_norm=family in ("qwen3", "gemma3"),
+        # Phi3ForCausalLM's generation recomputes its cache where a longrope passes the original context
+        longrope_recompute=family == "phi3",
         activation=_ACTIVATIONS[act_name],
-        bos_token_id=d.get("bos_token_id"),
+        bos_token_id=f("bos_token_id"),
         eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
         name=name,
     )
     if family in _GEMMA:
-        kw.update(norm_plus_one=True, sandwich_norms=True, embed_scale=float(d["hidden_size"]) ** 0.5,
-                  query_pre_attn_scalar=float(d.get("query_pre_attn_scalar") or head_dim),
+        kw.update(norm_plus_one=True, sandwich_norms=True, embed_scale=float(hidden) ** 0.5,
+                  query_pre_attn_scalar=float(f("query_pre_attn_scalar")),
                   # transformers' Gemma 3 attention never applies attn_logit_softcapping
-                  attn_softcap=d.get("attn_logit_softcapping") if family == "gemma2" else None,
-                  final_softcap=d.get("final_logit_softcapping"))
+                  attn_softcap=f("attn_logit_softcapping") if family == "gemma2" else None,
+                  final_softcap=f("final_logit_softcapping"))
     if family == "gpt_oss":
-        kw.update(learned_sinks=True, num_experts=int(d.get("num_local_experts", 128)),
-                  experts_per_token=int(d.get("num_experts_per_tok", 4)),
-                  swiglu_alpha=float(d.get("swiglu_alpha", 1.702)), swiglu_limit=float(d.get("swiglu_limit", 7.0)))
-    lt = _layer_types(d, family, n_layers)
-    window = d.get("sliding_window")
-    if family in _QWEN and not d.get("use_sliding_window", False):
+        kw.update(learned_sinks=True, num_experts=int(f("num_local_experts")),
+                  experts_per_token=int(f("num_experts_per_tok")),
+                  swiglu_alpha=float(f("swiglu_alpha")), swiglu_limit=float(f("swiglu_limit")))
+    lt = _layer_types(f, n_layers)
+    window = f("sliding_window") if f.has_field("sliding_window") else None
+    if family in _QWEN and not f("use_sliding_window"):
         window = None  # transformers drops sliding_window unless use_sliding_window
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
         raise LongattnError(f"config sliding_window must be a positive integer, got {window!r}")
@@ -154,33 +217,10 @@ def read_hf_config(d: dict, name: str = "") -> ModelConfig:
         kw["layer_windows"] = [window if t == "sliding_attention" else None for t in lt]
     elif window and family in _WINDOW_EVERY_LAYER:
         kw["layer_windows"] = [window] * n_layers
-
-    rp = d.get("rope_parameters")
-    if family == "gpt_oss" and rp is None and not d.get("rope_scaling"):
-        raise LongattnError("gpt_oss config.json has neither rope_parameters nor rope_scaling; longattn "
-                            "does not guess transformers' default yarn parameters")
-    if isinstance(rp, dict) and set(rp) & {"full_attention", "sliding_attention"}:
-        # transformers 5 nests rope bases per layer type (Gemma 3: 1e6 global, 1e4 local)
-        by_type = {}
-        for t in ("full_attention", "sliding_attention"):
-            p = rp.get(t)
-            if p is None and t == "sliding_attention":  # older Gemma 3 fields
-                p = {"rope_theta": d.get("rope_local_base_freq") or 1e4}
-            by_type[t] = _rope(d, p or {})
-        types = lt or ["full_attention"] * n_layers
-        kw["rope_theta"] = by_type["full_attention"][0]
-        kw["rope_scaling"] = by_type["full_attention"][1]
-        kw["layer_rope_theta"] = [by_type[t][0] for t in types]
-        kw["layer_rope_scaling"] = [by_type[t][1] for t in types]
-    elif family == "gemma3":
-        # pre-5 Gemma 3 config: one rope_theta + rope_scaling for global layers, a local base
-        theta, scaling = _rope(d, rp)
-        local = float(d.get("rope_local_base_freq") or 1e4)
-        kw.update(rope_theta=theta, rope_scaling=scaling,
-                  layer_rope_theta=[theta if t == "full_attention" else local for t in lt],
-                  layer_rope_scaling=[scaling if t == "full_attention" else None for t in lt])
+    if family == "gemma3":
+        kw.update(_gemma3_rope(f, lt))
     else:
-        kw["rope_theta"], kw["rope_scaling"] = _rope(d, rp)
+        kw["rope_theta"], kw["rope_scaling"] = _rope(f)
     return ModelConfig(**kw)
 
 
@@ -205,8 +245,48 @@ def hf_dir_config(path: Path) -> ModelConfig:
         raise LongattnError(f"{path} has no config.json; pass a GGUF file or an HF model directory")
     _check_regular_files(path)
     cfg = _config_of(cfg_path, path.name)
-    hf_dir_weight_files(path)
+    files = hf_dir_weight_files(path)
+    if cfg.tie_embeddings and _stored_head_differs(files):
+        cfg = dataclasses.replace(cfg, tie_embeddings=False)
     return cfg
+
+
+EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+_COMPARE_ROWS = 4096  # rows of the embedding compared at a time (bounds the memory it takes)
+
+
+def _longattn_name(key: str) -> str:
+    """A safetensors key as longattn names it (Gemma 3's multimodal prefix dropped)."""
+    return "model." + key[len("model.language_model."):] if key.startswith("model.language_model.") else key
+
+
+def _stored_head_differs(files: list) -> bool:
+    """True when the files store an output head (``lm_head.weight``) that is not the embedding.
+
+    transformers ties the head to the embedding under ``tie_word_embeddings`` only when the
+    checkpoint does not store both with different values; a head stored beside the embedding
+    and unequal to it is used untied. Compared row block by row block, in float32.
+    """
+    from safetensors import safe_open
+    where = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                where.update({_longattn_name(k): (f, k) for k in h.keys() if _longattn_name(k) in (EMBED, HEAD)})
+        except Exception as e:
+            raise LongattnError(f"cannot read {f}: {e}; the file is truncated or corrupt") from None
+    if EMBED not in where or HEAD not in where:
+        return False
+    with safe_open(str(where[EMBED][0]), framework="pt") as fe, safe_open(str(where[HEAD][0]), framework="pt") as fh:
+        e, h = fe.get_slice(where[EMBED][1]), fh.get_slice(where[HEAD][1])
+        if list(e.get_shape()) != list(h.get_shape()):
+            return True
+        rows = e.get_shape()[0]
+        for a in range(0, rows, _COMPARE_ROWS):
+            b = min(rows, a + _COMPARE_ROWS)
+            if not torch.equal(e[a:b].to(torch.float32), h[a:b].to(torch.float32)):
+                return True
+    return False
 
 
 def hf_dir_weight_files(path: Path) -> list:
@@ -235,8 +315,11 @@ class HFWeights(LazyWeights):
                 raise LongattnError(f"cannot read {f}: {e}; the file is truncated or corrupt") from None
             self._files[f] = handle
             for key in keys:
-                k = "model." + key[len("model.language_model."):] if key.startswith("model.language_model.") else key
+                k = _longattn_name(key)
                 self._add(k, (f, key, k), tuple(handle.get_slice(key).get_shape()))
+        if cfg.tie_embeddings and EMBED not in self._parts and HEAD in self._parts:
+            # tied, with only the head stored: transformers ties the embedding to it
+            self._parts[EMBED] = self._parts.pop(HEAD)
 
     def _read(self, stored) -> torch.Tensor:
         f, key, name = stored

@@ -35,7 +35,7 @@ from .digest import content_digest, remember_digest
 from .paths import atomic_dir, cache_root, hold_entry, remove_path, temp_prefix
 from .tokenizer import checkpoint_tokenizer, load_tokenizer
 
-CONVERTER_VERSION = "4"  # bump when the converted layout or config reading changes
+CONVERTER_VERSION = "5"  # bump when the converted layout or config reading changes
 CHECKSUM = "checksum.json"  # SHA-256 of the entry's files, written last
 
 

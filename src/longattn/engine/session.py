@@ -14,6 +14,7 @@ import torch
 
 from ..cache import KVCache
 from ..errors import LongattnError
+from ..models.rope import longrope_switch
 from ..policy import AttentionPolicy
 from .sampling import SamplingConfig, sample
 
@@ -40,6 +41,11 @@ class Session:
         cache: a KVCache (default: ``make_cache(kind="auto")`` — ring caches on windowed
             layers, so Gemma 3's local layers stay bounded; growing caches elsewhere).
         batch: number of streams when ``cache`` is not given.
+
+    A model whose longrope switches to its long factors past the original context and whose
+    transformers generation then recomputes the whole sequence (``ModelConfig.longrope_recompute``:
+    Phi-3) gets the same here: the call that takes the streams past it rebuilds the cache from
+    every token fed so far, rotated with the long factors (the Session keeps the tokens).
     """
 
     def __init__(self, model, policy: Optional[AttentionPolicy] = None, cache: Optional[KVCache] = None,
@@ -47,13 +53,25 @@ class Session:
         self.model = model
         self.cfg = model.config
         self.policy = policy or AttentionPolicy.from_config(self.cfg)
-        if cache is None:
-            from ..cache.factory import make_cache
-            # K/V are stored in the activation dtype: float32, or float64 for reference runs
-            act = model.activation_dtype
-            cache = make_cache(self.cfg, self.policy, batch=batch, kind="auto", model=model, dtype=act)
-        self.cache = cache
+        self._own_cache = cache is None
+        self.cache = self._new_cache(batch) if cache is None else cache
         self.batch = self.cache.batch
+        self.rope_switch = recompute_length(self.cfg)
+        # every token fed, per stream: what a recompute at the rope switch runs again
+        self.history = [[] for _ in range(self.batch)] if self.rope_switch is not None else None
+        self._long = False  # the cache's keys carry the long rope factors
+
+    def _new_cache(self, batch: int) -> KVCache:
+        from ..cache.factory import make_cache
+        # K/V are stored in the activation dtype: float32, or float64 for reference runs
+        return make_cache(self.cfg, self.policy, batch=batch, kind="auto", model=self.model,
+                          dtype=self.model.activation_dtype)
+
+    def _passes_switch(self, rope_len: int) -> bool:
+        """This call takes the streams past the rope switch while the cache holds keys rotated
+        with the short factors."""
+        return (self.rope_switch is not None and not self._long and rope_len > self.rope_switch
+                and int(self.cache.next_position().max()) > 0)
 
     def prefill(self, prompts, chunk: int = 512, logits: str = "last",
                 progress: Optional[Callable[[int], None]] = None) -> torch.Tensor:
@@ -61,7 +79,8 @@ class Session:
 
         Args:
             prompts: list of token-id lists (one per stream) or an ``[B, T]`` tensor.
-            chunk: tokens per forward (memory vs speed); ``<= 0`` means all at once.
+            chunk: tokens per forward (memory vs speed); ``<= 0`` means all at once. The chunks
+                rotate as one call would (a length-dependent rope takes the whole length).
             logits: "last" -> ``[B, 1, V]`` at each stream's last prompt token;
                 "all" -> ``[B, T, V]``.
         """
@@ -72,6 +91,9 @@ class Session:
         ids, pos = pad_streams(prompts)
         base = self.cache.next_position()  # [B, 1]
         pos = torch.where(pos >= 0, pos + base, pos)
+        rope_len = int(pos.max()) + 1
+        if self._passes_switch(rope_len):
+            return self._recompute([list(p) for p in prompts], chunk, logits, progress)
         T = ids.shape[1]
         step = T if chunk <= 0 else chunk
         outs, last = [], None
@@ -80,7 +102,7 @@ class Session:
             # Only the logits asked for: the head of a 262K vocabulary costs more than the
             # whole transformer for a short chunk.
             out = self.model(ids[:, s:e], pos[:, s:e], cache=self.cache, policy=self.policy,
-                             logits="all" if logits == "all" else "last")
+                             logits="all" if logits == "all" else "last", rope_len=rope_len)
             if logits == "all":
                 outs.append(out)
             else:
@@ -91,6 +113,7 @@ class Session:
                     last = cur if last is None else torch.where(valid.any(dim=1, keepdim=True), cur, last)
             if progress:
                 progress(e - s)
+        self._fed([list(p) for p in prompts], rope_len)
         if logits == "all":
             return torch.cat(outs, dim=1)
         return last[:, None]
@@ -103,7 +126,53 @@ class Session:
         pos = self.cache.next_position()  # [B, 1]
         if active is not None:
             pos = torch.where(active[:, None], pos, torch.full_like(pos, -1))
-        return self.model(tokens[:, None], pos, cache=self.cache, policy=self.policy, logits="all")[:, 0]
+        if self.history is None:
+            return self.model(tokens[:, None], pos, cache=self.cache, policy=self.policy, logits="all")[:, 0]
+        fed = [[t] if p >= 0 else [] for t, p in zip(tokens.tolist(), pos[:, 0].tolist())]
+        rope_len = int(pos.max()) + 1
+        if self._passes_switch(rope_len):
+            return self._recompute(fed, 0, "last", None)[:, 0]
+        out = self.model(tokens[:, None], pos, cache=self.cache, policy=self.policy, logits="all")[:, 0]
+        self._fed(fed, rope_len)
+        return out
+
+    def _fed(self, tokens: list, rope_len: int) -> None:
+        """Record the tokens each stream was fed by a call of sequence length ``rope_len``."""
+        if self.history is None:
+            return
+        for h, t in zip(self.history, tokens):
+            h.extend(t)
+        self._long = self._long or rope_len > self.rope_switch
+
+    def _recompute(self, tokens: list, chunk: int, logits: str, progress) -> torch.Tensor:
+        """Feed ``tokens`` (per stream, possibly none) after rebuilding the cache from every
+        token fed so far, all rotated with the long factors (transformers' Phi-3 generation
+        drops its cache there and runs the whole sequence again). Logits as ``prefill`` gives
+        them for ``tokens``."""
+        if not self._own_cache:
+            raise LongattnError(f"this sequence passes the original context of {self.rope_switch} tokens "
+                                "(longrope), where the Session rebuilds its cache with the long rope factors; "
+                                "it cannot rebuild a cache it was given: create the Session without one")
+        full = [h + t for h, t in zip(self.history, tokens)]
+        self.cache = self._new_cache(self.batch)
+        self.history = [[] for _ in range(self.batch)]
+        out = self.prefill(full, chunk, logits, progress)
+        if logits != "all":
+            return out
+        # each stream's new tokens follow its earlier ones in the rebuilt run
+        start = torch.tensor([len(f) - len(t) for f, t in zip(full, tokens)])[:, None]
+        T = max(len(t) for t in tokens)
+        cols = (start + torch.arange(T)).clamp(max=out.shape[1] - 1)  # [B, T]
+        return out.gather(1, cols[..., None].expand(-1, -1, out.shape[-1]))
+
+
+def recompute_length(cfg) -> Optional[int]:
+    """The sequence length past which a Session recomputes its cache (the longrope's original
+    context, where ``cfg.longrope_recompute``), or None."""
+    if not cfg.longrope_recompute:
+        return None
+    switches = [longrope_switch(s) for s in cfg.layer_rope_scaling]
+    return min((s for s in switches if s is not None), default=None)
 
 
 @dataclass

@@ -82,6 +82,14 @@ def check_rope_scaling(s: dict | None, head_dim: int) -> dict | None:
     return {"rope_type": t, **s}
 
 
+def longrope_switch(scaling: dict | None) -> int | None:
+    """The sequence length past which a longrope scaling takes its long factors (its
+    ``original_max_position_embeddings``); None for any other scaling."""
+    if scaling and scaling["rope_type"] == "longrope":
+        return int(scaling["original_max_position_embeddings"])
+    return None
+
+
 def _base_inv_freq(head_dim: int, theta) -> torch.Tensor:
     """``[head_dim // 2]`` plain rope inverse frequencies (``theta`` a float or 0-d tensor)."""
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))

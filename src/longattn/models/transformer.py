@@ -21,7 +21,7 @@ from ..errors import LongattnError
 from ..ops.attention import MaskMemo, WindowOp
 from ..ops.linear import (INT4_GROUP, dequantize_int4, dequantize_int5, dequantize_int8, float_linear,
                           int4_matmul, int5_matmul, int8_matmul, quantized_kernel)
-from .rope import SEQ_DEPENDENT, apply_rope, inv_freq, rope_cos_sin, rope_frequencies
+from .rope import SEQ_DEPENDENT, apply_rope, inv_freq, longrope_switch, rope_cos_sin, rope_frequencies
 from .weights import (QUANTIZED, int4_applies, int4_as_int5, kind_format, parse_weights, quantize_int4, quantize_int5,
                       quantize_int8, recipe_name)
 
@@ -266,20 +266,40 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(self.H), requires_grad=False) if cfg.learned_sinks else None
         self.rope_theta, self.rope_scaling = cfg.layer_rope_theta[layer], cfg.layer_rope_scaling[layer]
         self.max_context = cfg.max_context
-        # dynamic / longrope frequencies follow the highest position of each call
+        # dynamic / longrope frequencies follow the sequence length of each call
         self.rope_varies = bool(self.rope_scaling) and self.rope_scaling["rope_type"] in SEQ_DEPENDENT
+        # past this many tokens a longrope layer's keys need the long factors, all of them
+        # (ModelConfig.longrope_recompute: the cached short-factor keys cannot stay)
+        self.rope_switch = longrope_switch(self.rope_scaling) if cfg.longrope_recompute else None
         # layers with equal rope settings share one cos/sin table per forward
         self.rope_key = (self.rope_theta, repr(self.rope_scaling))
         f, self.rope_factor = rope_frequencies(self.D, self.rope_theta, self.rope_scaling, self.max_context)
         self.register_buffer("inv_freq", f, persistent=False)  # [D/2] at load (rerotation uses it)
 
-    def rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[B, 1, T, D]`` for positions ``pos [B, T]`` (scaling applied)."""
+    def rope(self, pos: torch.Tensor, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[B, 1, T, D]`` for positions ``pos [B, T]`` (scaling applied).
+        ``seq_len``: the sequence length whose frequencies a length-dependent rope takes
+        (default: the call's highest position plus one)."""
         if self.rope_varies:
             f, factor = rope_frequencies(self.D, self.rope_theta, self.rope_scaling, self.max_context,
-                                         seq_len=int(pos.max()) + 1)
+                                         seq_len=seq_len or int(pos.max()) + 1)
             return rope_cos_sin(pos, f, factor)
         return rope_cos_sin(pos, self.inv_freq, self.rope_factor)
+
+    def _check_rope_switch(self, view: KVView, seq_len: int) -> None:
+        """Refuse keys of both longrope factor sets in one cache: transformers' Phi-3 recomputes
+        the whole sequence with the long factors when it passes the original context (the
+        eager Session does; engine.session), so a cache whose keys were rotated with the short
+        factors cannot take a call that uses the long ones."""
+        long = seq_len > self.rope_switch
+        kept = view.state.get("longrope_long")
+        if kept is not None and kept != long:
+            raise LongattnError(
+                f"this sequence passes the original context of {self.rope_switch} tokens "
+                "(longrope), where the cached keys need the long rope factors: transformers "
+                "recomputes them, and so does longattn's eager session; run without --compile, or "
+                f"keep prompt and generation within {self.rope_switch} tokens")
+        view.state["longrope_long"] = long
 
     def fuse(self, structure_only: bool = False) -> None:
         """Replace q/k/v by one projection (one weight read and one call per step);
@@ -303,16 +323,19 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, h, T, D]
+        seq_len = shared.get("rope_len") if shared is not None else None
         if shared is not None and self.rope_key in shared:
             cos, sin = shared[self.rope_key]
         else:
-            cos, sin = self.rope(pos)
+            cos, sin = self.rope(pos, seq_len)
             if shared is not None:
                 shared[self.rope_key] = (cos, sin)
         q = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype))
         k = apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
         if cache is not None:
             view = cache.update(self.layer, k, v, pos)
+            if self.rope_switch is not None and view.state is not None:
+                self._check_rope_switch(view, seq_len or int(pos.max()) + 1)
         else:
             view = KVView.uncached(k, v, pos, None if shared is None else shared.get("masks"))
         if self.sinks is None:
@@ -388,7 +411,7 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, pos: torch.Tensor | None = None, cache=None, policy=None,
-                logits: str = "all") -> torch.Tensor:
+                logits: str = "all", rope_len: int | None = None) -> torch.Tensor:
         """Run the model.
 
         Args:
@@ -398,6 +421,9 @@ class Transformer(nn.Module):
             policy: an AttentionPolicy (``longattn.policy``); default = the checkpoint's windows.
             logits: "all" -> ``[B, T, V]``; "last" -> ``[B, 1, V]`` (the last non-padding
                 position of each row); "none" -> hidden states ``[B, T, hidden]``.
+            rope_len: the sequence length whose frequencies length-dependent ropes (dynamic,
+                longrope) take; default the call's highest position plus one. A prefill split
+                into calls passes its whole length, so each call rotates as one call would.
         """
         cfg = self.config
         B, T = ids.shape
@@ -414,6 +440,8 @@ class Transformer(nn.Module):
         # values every layer of this forward reuses: rope tables (by rope_key) and, without a
         # cache to hold one, the mask memo
         shared: dict = {} if cache is not None else {"masks": MaskMemo()}
+        if rope_len is not None:
+            shared["rope_len"] = int(rope_len)
         for i, block in enumerate(self.model.layers):
             x = block(x, pos, cache, ops[i], shared)
         if cache is not None:
