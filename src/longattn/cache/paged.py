@@ -30,7 +30,6 @@ from typing import Optional
 import torch
 
 from ..errors import LongattnError, check_int
-from ..ops import native
 from ..ops.attention import PagedRows
 from .base import KVCache, LayerCache
 
@@ -209,16 +208,16 @@ class PagedLayerCache(LayerCache):
             kk, vv = (x.permute(1, 0, 2, 3)[:, bi, ti] for x in (k, v))  # [Hkv, M, D]
         pool.k[:, slots_t] = kk.to(pool.dtype)
         pool.v[:, slots_t] = vv.to(pool.dtype)
-        k_all, v_all, k_pos = self._view(ends, contiguous=False)  # read in place, prefill chunks too
+        k_all, v_all, k_pos = self._view(ends)
         for st, end in zip(self.streams, ends):
             self._free_out_of_window(st, end)
         return k_all, v_all, k_pos
 
-    def _view(self, ends: list, contiguous: bool = True):
+    def _view(self, ends: list):
         """Each stream's held blocks in position order, padded to the longest row:
-        ``(k, v, k_pos [B, N])``. With ``contiguous=False`` (a decode step) and the native
-        kernels built, k and v are ``PagedRows``, read in place by the fused decode kernel;
-        else ``[B, Hkv, N, D]`` tensors gathered block by block (``PagedRows.gather``)."""
+        ``(k, v, k_pos [B, N])``, k and v as ``PagedRows``: the fused kernel reads them in place
+        (decode steps and prefill chunks alike); ``ops.attention.attend`` gathers them block by
+        block for any other kernel, so nothing is copied here."""
         bs = self.pool.block_size
         rows = [st.tables[self.layer] for st in self.streams]
         # a row ends at its stream's end, not its last block's: the slots past it hold
@@ -236,8 +235,6 @@ class PagedLayerCache(LayerCache):
                                & (torch.arange(blocks * bs) < torch.tensor(lens)[:, None]), kpos, -1)[:, :n]
             self.kpos_memo[key] = kpos
         k, v = (PagedRows(t.unsqueeze(0), phys, bs, n) for t in (self.pool.k, self.pool.v))
-        if contiguous or not native.available():
-            k, v = k.gather(), v.gather()
         return k, v, kpos
 
     def _free_out_of_window(self, st: PagedStream, end: int) -> None:
