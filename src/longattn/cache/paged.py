@@ -69,7 +69,12 @@ class BlockPool:
     @property
     def block_bytes(self) -> int:
         """Bytes of K and V one block holds."""
-        return 2 * self.block_size * self.k.shape[0] * self.k.shape[2] * self.k.element_size()
+        return self.bytes_per_block(self.block_size, self.k.shape[0], self.k.shape[2], self.dtype)
+
+    @staticmethod
+    def bytes_per_block(block_size: int, kv_heads: int, head_dim: int, dtype) -> int:
+        """Bytes of K and V one block of such a pool holds (before any pool is made)."""
+        return 2 * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def alloc(self) -> int:
         if not self._free:

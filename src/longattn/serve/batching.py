@@ -206,7 +206,7 @@ class Engine:
         c = self.config
         one = self.blocks_needed(policy, self.cfg.max_context - 1, 1)
         want = max(AUTO_MIN_BLOCKS, one)
-        block_bytes = 2 * self.cfg.num_kv_heads * c.block_size * self.cfg.head_dim * torch.finfo(dtype).bits // 8
+        block_bytes = BlockPool.bytes_per_block(c.block_size, self.cfg.num_kv_heads, self.cfg.head_dim, dtype)
         avail = available_memory()
         if avail is not None and want * block_bytes > avail * AUTO_MEMORY_SHARE:
             want = max(1, int(avail * AUTO_MEMORY_SHARE // block_bytes))
