@@ -107,3 +107,26 @@ def test_loading_a_large_tokenizer_hands_its_parse_memory_back():
     grew = {how: int(subprocess.run([sys.executable, "-c", _RSS_AFTER_LOAD, str(path), how], check=True,
                                     capture_output=True, text=True).stdout) for how in ("plain", "checkpoint")}
     assert grew["checkpoint"] < grew["plain"] / 2, grew
+
+
+@pytest.mark.real
+def test_encoding_lets_other_threads_run():
+    """A server tokenizes on a worker thread; the encoder must release the GIL meanwhile, or
+    a megabyte prompt freezes the event loop (every other client's stream and /health)."""
+    import threading
+    import time
+    tok = real_checkpoint("smollm2-135m").tokenizer
+    text = (all_books_text()[:200_000] * 5)
+    ticks, done = [], threading.Event()
+
+    def encode():
+        tok(text)
+        done.set()
+    worker = threading.Thread(target=encode)
+    worker.start()
+    while not done.is_set():
+        ticks.append(time.perf_counter())
+        time.sleep(0.002)
+    worker.join()
+    # holding the GIL, encode would leave this loop one or two turns in ~1 s of work
+    assert len(ticks) >= 20

@@ -101,7 +101,9 @@ class CheckpointTokenizer:
         """``{"input_ids": [int]}`` of ``text`` with the tokenizer's special tokens added."""
         if kwargs or not isinstance(text, str):
             return self.hf(text, **kwargs)
-        return {"input_ids": self._fast.encode(text).ids}
+        # encode_batch releases the GIL while it works (encode does not), so a server's other
+        # threads -- its event loop above all -- keep running beside a megabyte prompt
+        return {"input_ids": self._fast.encode_batch([text])[0].ids}
 
     def decode(self, ids, skip_special_tokens: bool = False, **kwargs) -> str:
         if kwargs:

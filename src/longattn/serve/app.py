@@ -270,7 +270,8 @@ def create_app(engine: Engine, model_id: str, options: Optional[ServeOptions] = 
         if isinstance(p, str):
             prompt = await off_loop(lambda: list(engine.tok(p)["input_ids"]))
         else:
-            if any(t < 0 or t >= engine.cfg.vocab_size for t in p):
+            # a million ids take a while to check: off the loop like tokenization
+            if await off_loop(lambda: any(t < 0 or t >= engine.cfg.vocab_size for t in p)):
                 raise APIError(400, f"token ids must lie in [0, {engine.cfg.vocab_size})", "prompt")
             prompt = list(p)
         return await run(request, body, engine_request(body, prompt, default_max=16), "completion")
