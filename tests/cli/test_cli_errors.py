@@ -69,3 +69,13 @@ def test_help_shows_defaults():
                        capture_output=True, text=True)
     out = " ".join(r.stdout.split())
     assert r.returncode == 0 and "--max-new-tokens MAX_NEW_TOKENS tokens to generate (default: 64)" in out, out
+
+
+def test_serve_offers_no_sparse_policy(tmp_path):
+    """The paged cache has no sparse path: serve neither lists nor takes SCSA's policy and flags."""
+    r = subprocess.run([sys.executable, "-m", "longattn.cli.main", "serve", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "--policy" in r.stdout
+    assert "sparse" not in r.stdout.lower(), r.stdout
+    for args in (["--policy", "sparse"], ["--sparse-probe", "4"]):
+        r = run_cli(["serve", "--model", tiny_dir("llama"), *args], tmp_path / "c")
+        assert_one_line_error(r, "--policy" if args[0] == "--policy" else "--sparse-probe")

@@ -51,18 +51,23 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str = "smollm2-135
                    type=lambda v: {"float32": "f32", "bfloat16": "bf16"}.get(v, v))
 
 
-def add_policy_args(p: argparse.ArgumentParser, auto: bool = False) -> None:
+def add_policy_args(p: argparse.ArgumentParser, auto: bool = False, sparse: bool = True) -> None:
     """The policy options; ``auto``: offer ``--policy auto`` (a command that knows how many
-    tokens it will generate, so it can weigh SCSA's costs against its saving)."""
+    tokens it will generate, so it can weigh SCSA's costs against its saving); ``sparse``:
+    offer ``--policy sparse`` and its tuning flags (a command whose cache has a sparse path)."""
     p.add_argument("--policy", default="checkpoint",
-                   choices=["checkpoint", "dense", "window", "global", "sparse"] + (["auto"] if auto else []),
+                   choices=["checkpoint", "dense", "window", "global"] + (["sparse"] if sparse else [])
+                   + (["auto"] if auto else []),
                    help="checkpoint: trained windows; dense: none; window: --window on every layer; "
-                        "global: --window on the checkpoint's global layers; sparse: SCSA decode"
+                        "global: --window on the checkpoint's global layers"
+                        + ("; sparse: SCSA decode" if sparse else "")
                         + ("; auto: SCSA on the layers where the cost model predicts it pays for this "
                            "prompt and --max-new-tokens (taus calibrated by an earlier sparse run), "
                            "the checkpoint's attention elsewhere" if auto else ""))
     p.add_argument("--window", type=int, default=None, help="window W (keys per query incl. itself)")
     p.add_argument("--sinks", type=int, default=0, help="sink tokens always readable")
+    if not sparse:
+        return
     # SUPPRESS: an option not given leaves SCSAConfig's default (named in the help) in force
     p.add_argument("--sparse-min-context", type=int, default=argparse.SUPPRESS, metavar="N",
                    help="sparse: layers run dense below N cached tokens (default: 8192)")

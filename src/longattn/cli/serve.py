@@ -62,10 +62,7 @@ def add_parser(sub) -> None:
                    help="a Host name to answer to besides the loopback names (a loopback-bound server "
                         "refuses other Host headers: DNS-rebinding protection); repeatable")
     p.add_argument("--docs", action="store_true", help="serve the interactive API docs at /docs")
-    add_policy_args(p)
-    for a in p._actions:  # the paged cache has no sparse path: its tuning flags are not offered
-        if any(o.startswith("--sparse") for o in a.option_strings):
-            a.help = argparse.SUPPRESS
+    add_policy_args(p, sparse=False)  # the paged cache has no sparse path
     p.set_defaults(func=run)
 
 
@@ -88,8 +85,6 @@ def run(args) -> int:
     config = EngineConfig(block_size=args.block_size, num_blocks=args.kv_blocks, max_batch=args.max_batch,
                           max_queue=args.max_queue, chunk=args.prefill_chunk, retain=args.prefix_cache,
                           rewind=args.prefix_rewind, timeout=args.request_timeout, kv=args.kv)
-    if args.policy == "sparse":
-        raise LongattnError("serve runs window and dense policies; the paged cache has no sparse path")
     api_key = args.api_key if args.api_key is not None else os.environ.get("LONGATTN_API_KEY") or None
     options = ServeOptions(api_key=api_key, max_body=args.max_body, max_prompt_tokens=args.max_prompt_tokens,
                            allowed_hosts=(LOOPBACK_HOSTS | {h.lower() for h in args.allow_host})
