@@ -1,4 +1,4 @@
-"""Weight formats (f32, bf16, int8, int4, int5): the quantizers, the int8, int4 and int5
+"""Weight formats (f32, bf16, int8, int4, int5): the quantizers, the int8, int4, int5 and float
 kernels against exact references, every attention site under each format, and int8's and
 int4's quality cost on a real model.
 
@@ -100,6 +100,41 @@ def _check_row_invariance(op, x, y):
     parts = [op(x[a:b]) for a, b in zip([0] + cuts, cuts + [x.shape[0]]) if b > a]
     assert torch.equal(torch.cat(parts), y)
     assert torch.equal(op(x, slice(3, None)), y[:, 3:])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 70])  # each tile shape and its remainders
+@pytest.mark.parametrize("K", [96, 100, 7])  # whole lanes, a tail, a tail alone
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_kernel_is_a_float32_gemm_with_one_order_per_element(rows, K, dtype):
+    """The float formats' kernel: within twice F.linear's float32 error of float64 on the same
+    weights, a bf16 matrix giving the bits its float32 widening gives (read as stored), and
+    every row the same bits alone as in any batch."""
+    assert native.available()
+    g = torch.Generator().manual_seed(rows * 100 + K)
+    N = 37  # weight tiles of 8, 4, 3 and 2 with remainders, split over threads
+    x = torch.randn(rows, K, generator=g) * torch.logspace(-2, 1, K)
+    w = torch.randn(N, K, generator=g).to(dtype)
+    y = torch.ops.longattn_cpu.float_gemm(x, w)
+    ref = x.double() @ w.double().T
+    assert y.dtype == torch.float32 and y.shape == (rows, N)
+    assert_within_derived(y, torch.nn.functional.linear(x, w.float()), ref, floor=TIE_FLOOR)
+    if dtype == torch.bfloat16:
+        assert torch.equal(torch.ops.longattn_cpu.float_gemm(x, w.float()), y)
+    _check_row_invariance(lambda x_, rows_=slice(None): torch.ops.longattn_cpu.float_gemm(x_, w[rows_]), x, y)
+
+
+def test_float_models_run_the_float_kernel_on_every_matrix():
+    """build_model gives each float32 and bf16 matrix, the tied head included, the native kernel
+    (a float64 model, the reference, keeps PyTorch's matmul)."""
+    from conftest import tiny_dir
+    from longattn.checkpoint import load_checkpoint
+    ck = load_checkpoint(tiny_dir("llama"), with_tokenizer=False)
+    for weights in ("f32", "bf16"):
+        m = build_model(ck.config, ck.state_dict, weights=weights)
+        lins = [mod for mod in m.modules() if isinstance(mod, transformer.Linear)]
+        assert lins and all(mod.kernel == "avx2" for mod in lins) and m.head_kernel == "avx2"
+    m = build_model(ck.config, ck.state_dict, dtype=torch.float64)
+    assert all(mod.kernel == "torch" for mod in m.modules() if isinstance(mod, transformer.Linear))
 
 
 def test_avx2_int8_kernel_rejects_wrong_dtypes_and_shapes():
@@ -386,7 +421,7 @@ def test_prefill_widening_in_blocks_matches_the_float_matrix(monkeypatch):
     assert_within_derived(lin(x), plain, ref, floor=TIE_FLOOR)
 
 
-@pytest.mark.parametrize("weights", ["int8", "int4", "int5"])
+@pytest.mark.parametrize("weights", ["int8", "int4", "int5", "f32", "bf16"])
 def test_quantized_linear_runs_one_arithmetic_at_every_row_count(weights):
     """A prefill's hundreds of rows and a decode step's one run the same kernel: each row of a
     prefill-sized call is, bit for bit, what it gets alone (the bias included)."""
@@ -394,7 +429,11 @@ def test_quantized_linear_runs_one_arithmetic_at_every_row_count(weights):
     lin = transformer.Linear(96, 70, bias=True)
     lin.weight.data = torch.randn(70, 96, generator=g)
     lin.bias.data = torch.randn(70, generator=g)
-    getattr(lin, f"to_{weights}")()
+    if weights in ("f32", "bf16"):
+        lin.weight.data = lin.weight.data.to(torch.bfloat16 if weights == "bf16" else torch.float32)
+        lin.kernel = linear.quantized_kernel()  # as build_model chooses it
+    else:
+        getattr(lin, f"to_{weights}")()
     x = torch.randn(2, linear.WIDEN_ROWS + 7, 96, generator=g)
     y = lin(x)
     assert all(torch.equal(lin(x[b, t]), y[b, t]) for b in range(2) for t in range(x.shape[1]))

@@ -15,7 +15,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import LongattnError
 from ..ops import native
-from .transformer import Transformer, _quantize, set_rope_tables
+from .transformer import Transformer, _quantize, choose_float_kernels, set_rope_tables
 from .weights import QUANTIZED, parse_recipe, recipe_name
 
 # Formats worth preparing: the ones whose prepared state is smaller than the float32 weights.
@@ -56,6 +56,8 @@ def from_prepared(cfg: ModelConfig, state: dict, recipe: str) -> Transformer:
     left = [n for n, t in [*m.named_parameters(), *m.named_buffers()] if t.is_meta]
     if left:
         raise LongattnError(f"prepared weights leave {left[:3]} unset")
+    if fmt not in QUANTIZED:
+        choose_float_kernels(m)
     m.weights = recipe_name(fmt, kinds)
     m.eval()
     return m

@@ -56,6 +56,7 @@ class Linear(nn.Module):
         # ("int4" or "int5", parts): the groups the checkpoint stores for ``weight`` (build_model's
         # ``stored``), taken by to_int4/to_int5 instead of quantizing the float32 copy again
         self.stored = None
+        self.kernel = "torch"  # build_model and to_int* choose (see to_int8)
 
     def to_int4(self, structure_only: bool = False) -> None:
         """4-bit groups where the row length allows it (a multiple of 32), int8 otherwise.
@@ -119,7 +120,7 @@ class Linear(nn.Module):
 
     def forward(self, x):
         if self.qweight is None and self.codes is None:
-            return float_linear(x, self.weight, self.bias)
+            return float_linear(x, self.weight, self.bias, self.kernel)
         # every row count runs the same kernel: a row's result never depends on the rows beside it
         if self.hbits is not None:
             y = int5_matmul(x, self.codes, self.hbits, self.steps, self.offsets, self.kernel)
@@ -392,6 +393,7 @@ class Transformer(nn.Module):
         self.model = _Inner(cfg)
         self.lm_head = None if cfg.tie_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False)
         self.weights = "f32"  # the weight format (models.weights); set by build_model
+        self.head_kernel = "torch"  # the tied float head's matmul kernel (ops/linear.py); set by build_model
         self._tied_head = None  # int8/int4 + tied embeddings: the shared quantized table as a Linear
 
     @property
@@ -407,7 +409,7 @@ class Transformer(nn.Module):
             return self.lm_head(x)
         if self._tied_head is not None:
             return self._tied_head(x)
-        return float_linear(x, self.model.embed_tokens.weight)
+        return float_linear(x, self.model.embed_tokens.weight, kernel=self.head_kernel)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, pos: torch.Tensor | None = None, cache=None, policy=None,
@@ -509,9 +511,21 @@ def build_model(cfg: ModelConfig, state_dict: Mapping, dtype: torch.dtype = torc
         raise LongattnError(f"build_model left {sorted(expected - loaded)[:3]} unset")
     if fmt in QUANTIZED:
         _quantize_embedding(m, cfg, fmt, kinds, stored_embed=(stored or {}).get("model.embed_tokens.weight"))
+    elif dtype != torch.float64:  # float64 is the reference: PyTorch's own matmul
+        choose_float_kernels(m)
     m.weights = recipe_name(fmt, kinds)
     m.eval()
     return m
+
+
+def choose_float_kernels(m: Transformer) -> None:
+    """Give ``m``'s float32 and bf16 matrices (and a tied float head) the kernel
+    ``quantized_kernel`` chooses: every row count then runs one arithmetic, as for the quantized
+    formats (ops/linear.py)."""
+    m.head_kernel = quantized_kernel()
+    for mod in m.modules():
+        if isinstance(mod, Linear) and mod.weight is not None:
+            mod.kernel = m.head_kernel
 
 
 def _check_names(cfg: ModelConfig, m: Transformer, names: set) -> None:

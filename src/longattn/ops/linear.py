@@ -11,10 +11,9 @@ prefill's hundreds of rows, a decode step's one row or one of many streams batch
 | format | kernel "avx2" (the native build, float32 activations) | fallback ("torch") |
 |---|---|---|
 | int8, int4, int5 | ``csrc/quant_gemm.cpp``: integer dots, rows tiled to share each unpacked weight group | the same product in PyTorch: ``quantize_activations(x) @ W_eff^T`` |
-| bf16 | ``F.linear`` in bf16 for few rows (half the bytes read); widened to float32 for many | |
-| f32 | ``F.linear`` | |
+| f32, bf16 | ``csrc/float_gemm.cpp``: float32 fma dots in one order per output, bf16 widened in registers | ``F.linear`` (bf16: in bf16 for few rows, widened to float32 for many) |
 
-``quantized_kernel`` makes the choice once, when a layer is converted (a plain string is a constant
+``quantized_kernel`` makes the choice once, when a layer is converted or a float model built (a plain string is a constant
 to torch.compile, and a first-call build must not happen inside a trace). The int4 and int5
 kernels have an AVX2 and an AVX-512 form; ``isa`` picks one (``ops.native.isa_code``).
 """
@@ -57,8 +56,19 @@ def prefill_sized(x: torch.Tensor) -> bool:
     return x.numel() // x.shape[-1] >= WIDEN_ROWS
 
 
-def float_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear in the weight's dtype (bf16 weights read half the bytes), result in x's dtype."""
+def float_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+                 kernel: str = "torch") -> torch.Tensor:
+    """``x [..., K] @ w^T + b`` for a float32 or bf16 ``w [N, K]``, result ``[..., N]`` in x's dtype.
+
+    kernel "avx2" (float32 x): ``csrc/float_gemm.cpp``, one summation order per output element
+    for any number of rows (bf16 weights widened in registers, read as stored). Otherwise
+    ``F.linear``: in the weight's dtype for few rows (bf16 weights read half the bytes),
+    widened for many -- a library GEMM whose row's bits may depend on the rows beside it.
+    """
+    if kernel == "avx2" and x.dtype == torch.float32 and w.dtype in (torch.float32, torch.bfloat16):
+        shape = x.shape
+        y = torch.ops.longattn_cpu.float_gemm(x.reshape(-1, shape[-1]), w).reshape(*shape[:-1], w.shape[0])
+        return y if b is None else y + b.to(y.dtype)
     if w.dtype != x.dtype:
         if prefill_sized(x):
             return widened_linear(x, w.shape[0], lambda i, j: w[i:j].to(x.dtype), b)

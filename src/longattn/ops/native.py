@@ -13,7 +13,7 @@ Where it cannot be used (no AVX2, no compiler, or ``LONGATTN_NATIVE=off``) ``ava
 False and every caller has a PyTorch path (see linear.py, attention.py).
 
 Ops (namespace ``longattn_cpu``): ``int8_gemm``, ``int4_gemm``, ``int5_gemm`` and the
-dequantizers (csrc/quant_gemm.cpp),
+dequantizers (csrc/quant_gemm.cpp), ``float_gemm`` (csrc/float_gemm.cpp),
 ``decode_attention`` (csrc/decode_attention.cpp) and ``scsa_decode`` (csrc/scsa_decode.cpp, the
 sparse decode call of longattn.sparse; eager only, so it needs no fake). The build targets
 AVX2; the AVX-512 functions are compiled for that target alone (``#pragma GCC target`` regions)
@@ -117,6 +117,10 @@ def _build() -> bool:
     @torch.library.register_fake("longattn_cpu::int8_gemm")
     def _(x, q, s, isa=-1):
         return x.new_empty(x.shape[0], q.shape[0])
+
+    @torch.library.register_fake("longattn_cpu::float_gemm")
+    def _(x, w):
+        return x.new_empty(x.shape[0], w.shape[0])
 
     @torch.library.register_fake("longattn_cpu::int4_gemm")
     def _(x, codes, d, m, isa=-1):
