@@ -401,7 +401,9 @@ def test_incremental_text_equals_decoding_everything():
 
 def test_cli_refuses_what_it_cannot_serve(capsys):
     from longattn.cli.main import main
-    assert main(["serve", "--model", "smollm2-135m", "--policy", "sparse"]) == 2
+    with pytest.raises(SystemExit) as refused:  # not one of serve's policies: argparse's refusal
+        main(["serve", "--model", "smollm2-135m", "--policy", "sparse"])
+    assert refused.value.code == 2
     assert main(["serve", "--model", "smollm2-135m", "--port", "70000"]) == 2
     assert main(["serve", "--model", "smollm2-135m", "--kv-blocks", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
