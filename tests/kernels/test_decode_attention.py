@@ -57,6 +57,30 @@ def test_matches_reference(B, H, Hkv, S, D, window, sinks, threads):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("B,H,Hkv,S,D", [(2, 14, 2, 300, 64), (1, 4, 1, 513, 256)])
+@pytest.mark.parametrize("window,sinks", [(None, 0), (16, 4)])
+def test_soft_capped_scores_match_reference(B, H, Hkv, S, D, window, sinks):
+    """Gemma 2's soft-capping (cap * tanh(s / cap) on every score, the own key's included).
+    Floor beyond the exp polynomial's: the kernel's tanhf and PyTorch's differ by a few float32
+    ulps of the cap per score, which moves each weight by that much relatively and the output,
+    a convex combination of value rows, by twice it times max|v| (``ulps(4 * cap, vmax)``)."""
+    cap = 5.0
+    for seed in range(2):
+        q, k, v, k_pos, q_pos, k_new, v_new = case(B, H, Hkv, S, D, seed)
+        q = q * 4  # scores well into tanh's curve
+        scale = D ** -0.5
+        mask = allowed_mask(q_pos, k_pos, window, sinks)
+        ref = attend_buffer_and_self(*[t.double() for t in (q, k, v)], mask, k_new.double(), v_new.double(),
+                                     q_pos >= 0, scale, cap)
+        plain = attend_buffer_and_self(q, k, v, mask, k_new, v_new, q_pos >= 0, scale, cap)
+        out = torch.ops.longattn_cpu.decode_attention(q, k, v, k_pos, q_pos, k_new, v_new, window or 0, sinks,
+                                                      scale, softcap=cap)
+        vmax = max(v.abs().max().item(), v_new.abs().max().item())
+        assert_within_derived(out, plain, ref, floor=ulps(2, vmax) + ulps(4 * cap, vmax))
+        assert not torch.equal(out, torch.ops.longattn_cpu.decode_attention(
+            q, k, v, k_pos, q_pos, k_new, v_new, window or 0, sinks, scale))  # the cap does act
+
+
 def test_padding_stream_reads_nothing_and_outputs_zeros():
     q, k, v, k_pos, q_pos, k_new, v_new = case(2, 4, 2, 50, 32, 0)
     q_pos[1] = -1
@@ -149,23 +173,23 @@ def test_position_aligned_chunks_match_the_reference(B, H, Hkv, S, D, window, si
     check(q, k, v, k_pos, q_pos, k_new, v_new, window * 3 if window else None, sinks)
 
 
-@pytest.mark.parametrize("window,sinks,bs", [(None, 0, 16), (40, 4, 4), (130, 0, 16), (9, 2, 4)])
+@pytest.mark.parametrize("window,sinks,bs,softcap", [(None, 0, 16, None), (40, 4, 4, None), (130, 0, 16, None),
+                                                     (9, 2, 4, None), (None, 0, 16, 5.0), (9, 2, 4, 5.0)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_query_gets_the_same_bits_decoded_or_in_any_prefill_chunk(window, sinks, bs, threads):
+def test_a_query_gets_the_same_bits_decoded_or_in_any_prefill_chunk(window, sinks, bs, softcap, threads):
     """A position's attention over a paged cache is the same bits computed as a decode row
     (whose view a window has already trimmed) and as any row of a prefill chunk (whose view
     still holds older blocks), batched beside another stream or not: what makes a continued
-    conversation equal the conversation prefilled whole."""
-    from longattn.ops.attention import PagedRows, attend
+    conversation equal the conversation prefilled whole. Soft-capped scores (Gemma 2) too."""
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        _same_bits_decoded_or_prefilled(window, sinks, bs)
+        _same_bits_decoded_or_prefilled(window, sinks, bs, softcap)
     finally:
         torch.set_num_threads(old)
 
 
-def _same_bits_decoded_or_prefilled(window, sinks, bs):
+def _same_bits_decoded_or_prefilled(window, sinks, bs, softcap):
     from longattn.ops.attention import PagedRows, attend
     H, Hkv, D, N = 6, 2, 64, 300
     g = torch.Generator().manual_seed(bs + (window or 0))
@@ -185,12 +209,13 @@ def _same_bits_decoded_or_prefilled(window, sinks, bs):
 
     def decode(p):  # the view a window has trimmed to what position p reads
         k, v, kpos = view(p + 1, 0 if window is None else p - window + 1)
-        return attend(q_all[:, :, p:p + 1], torch.tensor([[p]]), k, v, kpos, window, sinks, D ** -0.5)
+        return attend(q_all[:, :, p:p + 1], torch.tensor([[p]]), k, v, kpos, window, sinks, D ** -0.5, softcap)
 
     alone = torch.cat([decode(p) for p in range(N)], dim=2)
     for start, stop in ((0, N), (5, 77), (150, 151), (160, 300), (290, 300)):
         k, v, kpos = view(stop, 0 if window is None else max(0, start - window - 37))  # older blocks held
-        got = attend(q_all[:, :, start:stop], torch.arange(start, stop)[None], k, v, kpos, window, sinks, D ** -0.5)
+        got = attend(q_all[:, :, start:stop], torch.arange(start, stop)[None], k, v, kpos, window, sinks, D ** -0.5,
+                     softcap)
         assert torch.equal(got, alone[:, :, start:stop]), (start, stop)
     # batched beside another stream's decode row (padded tables)
     k1, v1, kp1 = view(200, 0)
@@ -203,7 +228,7 @@ def _same_bits_decoded_or_prefilled(window, sinks, bs):
     kpos2 = torch.cat([padk(kp1), padk(kp2)])
     q2 = torch.cat([q_all[:, :, 199:200], q_all[:, :, N - 1:N]])
     got = attend(q2, torch.tensor([[199], [N - 1]]), PagedRows(pool_k, table2, bs, S), PagedRows(pool_v, table2, bs, S),
-                 kpos2, window, sinks, D ** -0.5)
+                 kpos2, window, sinks, D ** -0.5, softcap)
     assert torch.equal(got[0:1], alone[:, :, 199:200]) and torch.equal(got[1:2], alone[:, :, N - 1:N])
 
 

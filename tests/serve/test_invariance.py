@@ -126,17 +126,21 @@ def test_a_turn_that_reuses_a_cached_prefix_equals_the_turn_alone(tiny_ck, weigh
     assert hits == 2  # the later turns really continued a cached stream
 
 
-@pytest.mark.parametrize("weights,kv", [("int8", "f32"), ("int4", "f32"), ("int4", "bf16"), ("f32", "f32"),
-                                        ("bf16", "f32")])
+@pytest.mark.parametrize("family,weights,kv", [("llama", "int8", "f32"), ("llama", "int4", "f32"),
+                                               ("llama", "int4", "bf16"), ("llama", "f32", "f32"),
+                                               ("llama", "bf16", "f32"), ("gemma2", "int8", "bf16"),
+                                               ("gemma2", "f32", "f32")])
 @pytest.mark.parametrize("policy", ["checkpoint", "window"])
-def test_a_position_has_the_same_logits_prefilled_in_any_chunk_or_decoded(tiny_ck, weights, kv, policy):
+def test_a_position_has_the_same_logits_prefilled_in_any_chunk_or_decoded(family, weights, kv, policy):
     """Logits, not just greedy tokens: every position of a sequence over the paged cache gets
     the same bits prefilled whole, prefilled in random chunks, or decoded one by one after a
-    prefix (teacher-forced), which is what prefix reuse relies on."""
+    prefix (teacher-forced), which is what prefix reuse relies on. Gemma 2 adds soft-capped
+    attention scores and local/global layers."""
     from longattn.cache.paged import BlockPool, PagedKVCache, PagedStream
     from longattn.engine.session import Session
-    model = build_model(tiny_ck.config, tiny_ck.state_dict, weights=weights)
-    cfg = tiny_ck.config
+    ck = load_checkpoint(tiny_dir(family), with_tokenizer=False)
+    model = build_model(ck.config, ck.state_dict, weights=weights)
+    cfg = ck.config
     pol = AttentionPolicy.build(cfg, "window", window=6, sinks=2) if policy == "window" else \
         AttentionPolicy.from_config(cfg)
     ids = torch.randint(3, 96, (64,), generator=torch.Generator().manual_seed(len(weights)))

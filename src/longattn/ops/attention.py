@@ -107,10 +107,11 @@ def fused_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap,
             and (sink_logits is None or sink_logits.dtype == torch.float32) and native.available())
 
 
-def paged_fused_applies(q: torch.Tensor, pool: torch.Tensor, softcap, sink_logits=None) -> bool:
+def paged_fused_applies(q: torch.Tensor, pool: torch.Tensor, sink_logits=None) -> bool:
     """The fused kernel reads a paged pool in place: float32 queries, a float32 or bfloat16
-    pool, no soft-capping."""
-    return (softcap is None and q.dtype == torch.float32 and pool.dtype in (torch.float32, torch.bfloat16)
+    pool (soft-capped scores included: a paged cache has no other path that is the same bits
+    at every chunking)."""
+    return (q.dtype == torch.float32 and pool.dtype in (torch.float32, torch.bfloat16)
             and (sink_logits is None or sink_logits.dtype == torch.float32) and native.available())
 
 
@@ -136,8 +137,8 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         ``[B, H, Tq, D]``.
     """
     if isinstance(k, PagedRows):
-        if fused and paged_fused_applies(q, k.pool, softcap, sink_logits):
-            return paged_rows_attention(q, q_pos, k, v, k_pos, window, sinks, scale, sink_logits)
+        if fused and paged_fused_applies(q, k.pool, sink_logits):
+            return paged_rows_attention(q, q_pos, k, v, k_pos, window, sinks, scale, sink_logits, softcap)
         k, v = k.gather().to(q.dtype), v.gather().to(q.dtype)  # a bfloat16 pool widens exactly
     if fused and fused_applies(q, k, v, softcap, sink_logits):
         none = k[:, :, :0]  # no separate own key: the cache already holds it
@@ -153,7 +154,8 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return masked_attention(q, k, v, mask, scale, softcap, sink_logits)
 
 
-def paged_rows_attention(q, q_pos, k: PagedRows, v: PagedRows, k_pos, window, sinks, scale, sink_logits=None):
+def paged_rows_attention(q, q_pos, k: PagedRows, v: PagedRows, k_pos, window, sinks, scale, sink_logits=None,
+                         softcap=None):
     """Every query of ``q [B, H, Tq, D]`` as one row of the fused decode kernel over a paged
     cache read in place -> ``[B, H, Tq, D]``.
 
@@ -169,7 +171,8 @@ def paged_rows_attention(q, q_pos, k: PagedRows, v: PagedRows, k_pos, window, si
     kp = k_pos.repeat_interleave(Tq, 0) if Tq > 1 else k_pos
     none = q.new_empty(B * Tq, k.pool.shape[1], 0, D)  # the pool already holds every key
     y = torch.ops.longattn_cpu.decode_attention(rows, k.pool, v.pool, kp, q_pos.reshape(B * Tq, 1), none, none,
-                                                window or 0, sinks, float(scale), sink_logits, table, k.block_size)
+                                                window or 0, sinks, float(scale), sink_logits, table, k.block_size,
+                                                -1, float(softcap or 0.0))
     return y.view(B, Tq, H, D).transpose(1, 2) if Tq > 1 else y
 
 

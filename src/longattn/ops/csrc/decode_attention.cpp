@@ -19,7 +19,9 @@
 //                then the pool [1, Hkv, R, D] shared by every stream, and slot s of stream b
 //                is row block_table[b, s / block_size] * block_size + s % block_size of it;
 //                k_pos [B, S] gives the slots' positions as before (S <= NB * block_size)
-//   -> [B, H, 1, D] = softmax over (allowed slots + own key [+ sink]) of q.k * scale, times V.
+//   softcap                          > 0: every score s = q.k * scale becomes softcap * tanh(s / softcap)
+//                                    (Gemma 2's soft-capping), 0: none
+//   -> [B, H, 1, D] = softmax over (allowed slots + own key [+ sink]) of the scores, times V.
 //
 // Why it exists: the compiled step's matmul form reads each buffer through two batched
 // matmuls with a separate mask/softmax kernel between them, and with G query heads per KV head
@@ -163,7 +165,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const at::Tensor& k_pos, const at::Tensor& q_pos, const at::Tensor& k_new,
                             const at::Tensor& v_new, int64_t window, int64_t sinks, double scale,
                             const std::optional<at::Tensor>& sink_logits,
-                            const std::optional<at::Tensor>& block_table, int64_t block_size, int64_t isa) {
+                            const std::optional<at::Tensor>& block_table, int64_t block_size, int64_t isa,
+                            double softcap) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k_new.dim() == 4 && v_new.dim() == 4,
               "decode_attention: q [B, H, 1, D], k/v [B, Hkv, S, D], k_new/v_new [B, Hkv, 1, D]");
   for (const auto* t : {&q, &k_new, &v_new})
@@ -222,6 +225,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t* kposp = kpc.data_ptr<int64_t>();
   const int64_t* qposp = qpc.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
+  TORCH_CHECK(softcap >= 0.0, "decode_attention: softcap must be >= 0 (0: none)");
+  const float cap = static_cast<float>(softcap);
+  // soft-capping, per score: the same scalar tanh wherever the score sits, so capped rows keep
+  // the kernel's independence of batch and chunking
+  const auto capped = [cap](float s) { return cap > 0.0f ? cap * std::tanh(s / cap) : s; };
 
   // Split the slots into chunks of at most 128 slots, so threads share even one stream's one KV
   // head, and a query's result depends on nothing but the positions it reads: not on the
@@ -358,6 +366,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
           }
           for (; j < n; ++j)
             for (int64_t g = 0; g < VG; ++g) scores[g * n + j] = dot(qs.data() + g * D, krow[j], D);
+          if (cap > 0.0f)
+            for (float& sv : scores) sv = capped(sv);
           loc.assign(VG * (D + 2), 0.0f);
           for (int64_t g = 0; g < VG; ++g) {
             float* sg = scores.data() + g * n;
@@ -410,7 +420,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     const float* vn = vnp + bh * D;
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qp + (b * H + h * G + g) * D;
-      own[0] = has_new && qposp[b] >= 0 ? dot(qg, kn, D) * sc : kNegInf;
+      own[0] = has_new && qposp[b] >= 0 ? capped(dot(qg, kn, D) * sc) : kNegInf;
       own[1] = 1.0f;
       if (own[0] != kNegInf) std::copy(vn, vn + D, own.begin() + 2);
       for (int64_t c = 0; c < chunks; ++c) parts[c] = part.data() + ((bh * chunks + c) * G + g) * (D + 2);
@@ -430,7 +440,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 TORCH_LIBRARY_FRAGMENT(longattn_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor k_pos, Tensor q_pos, Tensor k_new, "
         "Tensor v_new, int window, int sinks, float scale, Tensor? sink_logits=None, Tensor? block_table=None, "
-        "int block_size=0, int isa=-1) -> Tensor");
+        "int block_size=0, int isa=-1, float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(longattn_cpu, CPU, m) {
