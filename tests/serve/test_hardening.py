@@ -455,3 +455,57 @@ def test_a_busy_port_is_refused_before_the_model_loads(served_dir, capsys, monke
         assert main(["serve", "--model", str(served_dir), "--port", str(busy.getsockname()[1])]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot listen" in err[0] and "--port" in err[0]
+
+
+# ------------------------------------------------------------------------- long rope
+
+def test_a_long_rope_model_is_served_on_one_side_of_its_switch(tmp_path):
+    """Phi-3's long rope changes every key's rotation once the sequence passes its original
+    context (transformers recomputes the sequence there; the server does not). A request whose
+    reply would cross it is a 400, one without max_tokens stops at it, a prompt already past it
+    is long from its first token, a cached stream is never continued across it, and every
+    answer is what the eager Session (which does recompute) generates."""
+    import shutil
+    from conftest import tiny_dir
+    from test_serve import char_tokenizer
+    from longattn.checkpoint import load_checkpoint
+    from longattn.engine.session import Session, generate
+    from longattn.models import build_model
+    from longattn.policy import AttentionPolicy
+    from longattn.serve.batching import Engine, EngineConfig
+    switch = 16
+    longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                "long_factor": [2.0 + 0.5 * i for i in range(8)]}
+    d = tmp_path / NAME
+    shutil.copytree(tiny_dir("phi3", rope_parameters=longrope, original_max_position_embeddings=switch,
+                             max_position_embeddings=64), d)
+    char_tokenizer(d)
+    ck = load_checkpoint(str(d))
+    model = build_model(ck.config, ck.state_dict)
+    engine = Engine(model, ck.tokenizer, AttentionPolicy.from_config(ck.config),
+                    EngineConfig(block_size=4, num_blocks=512)).start()
+    url, stop = start_server(engine)
+
+    def complete(prompt, **extra):
+        status, _, data = call(url, "POST", "/v1/completions", {"model": NAME, "prompt": prompt, "temperature": 0,
+                                                                 "ignore_eos": True, **extra})
+        return status, json.loads(data)
+
+    def session(prompt, n):
+        return generate(Session(model), [prompt], n, SamplingConfig(0.0), stop_ids=set()).tokens[0]
+    try:
+        short = list(range(10, 20))                                   # 10 tokens: short factors
+        status, out = complete(short, max_tokens=switch - len(short) + 2)
+        assert status == 400 and "original context of 16 tokens" in error_of(json.dumps(out).encode())["message"]
+        status, out = complete(short)                                 # no limit: up to the switch
+        assert status == 200 and out["usage"]["completion_tokens"] == switch - len(short) + 1
+        assert out["choices"][0]["finish_reason"] == "length"
+        want = session(short, switch - len(short) + 1)
+        assert out["choices"][0]["text"] == ck.tokenizer.decode(want, skip_special_tokens=True)
+        hits = engine.metrics.prefix_hits
+        long = short + list(range(30, 40))                            # 20 tokens: long from the start
+        status, out = complete(long, max_tokens=6)
+        assert status == 200 and engine.metrics.prefix_hits == hits   # the short stream is not continued
+        assert out["choices"][0]["text"] == ck.tokenizer.decode(session(long, 6), skip_special_tokens=True)
+    finally:
+        stop()

@@ -298,8 +298,8 @@ class Attention(nn.Module):
             raise LongattnError(
                 f"this sequence passes the original context of {self.rope_switch} tokens "
                 "(longrope), where the cached keys need the long rope factors: transformers "
-                "recomputes them, and so does longattn's eager session; run without --compile, or "
-                f"keep prompt and generation within {self.rope_switch} tokens")
+                "recomputes them, and so does longattn's eager session (generate --compile none); "
+                f"or keep prompt and generation within {self.rope_switch} tokens")
         view.state["longrope_long"] = long
 
     def fuse(self, structure_only: bool = False) -> None:

@@ -118,16 +118,24 @@ def create_app(engine: Engine, model_id: str, options: Optional[ServeOptions] = 
                                         f"{engine.cfg.max_context}", f"policy.{name}")
         key = (body.policy.window, body.policy.sinks) if body.policy else ()
         max_tokens = body.max_tokens
+        # a long-rope model (Phi-3) changes every key's rotation when the sequence passes its
+        # original context: a reply without a limit stops there (Engine.submit refuses a limit
+        # past it)
+        switch = engine.rope_switch
+        crossing = switch is not None and len(prompt) <= switch
         if max_tokens is None:
             # a reply without a limit ends by the context: what is left of it under a policy
             # with global layers, the context's length when every layer is windowed
             room = engine.cfg.max_context - len(prompt)
             if engine.bounded(key):
                 room = engine.cfg.max_context
+            if crossing:  # the last token is never fed: the sequence ends at prompt + max_tokens - 1
+                room = min(room, switch - len(prompt) + 1)
             max_tokens = min(default_max, room) if default_max is not None else room
             if max_tokens < 1:
                 raise APIError(400, f"the prompt ({len(prompt)} tokens) leaves no room in the model's "
                                     f"context of {engine.cfg.max_context} tokens", "messages", "context_length_exceeded")
+
         try:
             sampling = SamplingConfig(body.temperature, 0, body.top_p, body.seed)
         except LongattnError as e:

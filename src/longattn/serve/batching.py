@@ -34,6 +34,7 @@ import torch
 
 from ..cache.paged import BlockPool, PagedKVCache, PagedStream, blocks_bound
 from ..engine.sampling import SamplingConfig, sample
+from ..engine.session import recompute_length
 from ..errors import LongattnError, check_int
 from ..policy import AttentionPolicy
 from .detok import IncrementalText
@@ -175,6 +176,9 @@ class Engine:
         self.model, self.cfg, self.tok = model, model.config, tokenizer
         self.config = config
         self.stop_ids = set(stop_ids)
+        # a long-rope model's factor switch (Phi-3): requests never cross it (serve.app refuses
+        # them) and a stream is continued only by a prompt on its side of it
+        self.rope_switch = recompute_length(self.cfg)
         PagedStream.for_policy(policy)  # refuses kinds the pool cannot page
         self.policies = {(): policy}
         kv_dtype = KV_FORMATS[config.kv] if model.activation_dtype == torch.float32 else model.activation_dtype
@@ -250,6 +254,13 @@ class Engine:
             raise LongattnError(f"the prompt ({len(req.prompt)} tokens) plus max_tokens ({req.max_tokens}) "
                                 f"exceeds the model's context of {self.cfg.max_context} tokens under a policy "
                                 f"with global layers; shorten them, or serve with a window on every layer")
+        s = self.rope_switch  # the last token is never fed: the sequence ends at prompt + max_tokens - 1
+        if s is not None and len(req.prompt) <= s < len(req.prompt) + req.max_tokens - 1:
+            raise LongattnError(f"the prompt ({len(req.prompt)} tokens) and max_tokens ({req.max_tokens}) pass the "
+                                f"model's original context of {s} tokens, where its long rope factors take over "
+                                "and every cached key would have to be rotated again (transformers recomputes "
+                                f"the sequence; the server does not): keep them within {s} tokens, or send a "
+                                f"prompt longer than {s}")
         if req.sampling.seed is not None:
             req.generator = torch.Generator().manual_seed(req.sampling.seed)
         req.detok = IncrementalText(self.tok)
@@ -416,6 +427,8 @@ class Engine:
         for key, (pk, toks, st) in self.retained.items():
             if pk != r.policy_key:
                 continue
+            if self.rope_switch is not None and (len(toks) > self.rope_switch) != (len(r.prompt) > self.rope_switch):
+                continue  # its keys carry the other long-rope factors (the server never crosses)
             n = _common_prefix(toks, r.prompt)
             n = min(n, len(r.prompt) - 1)  # at least one token is fed: its logits start the reply
             if n > (best[1] if best else 0) and st.can_truncate(n, self.pool):
