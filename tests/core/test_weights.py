@@ -62,7 +62,7 @@ def test_avx2_int8_kernel_is_built_where_the_cpu_has_avx2():
         assert not native.available()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 9, 70])  # one tile of 4, tiles and each remainder
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 70])  # one tile of 4, tiles and each remainder
 @pytest.mark.parametrize("K", [96, 288, 100, 77, 5])  # whole blocks, short last blocks, one short block
 def test_int8_kernel_matches_exact_reference(rows, K):
     """Activations rounded per block of 32 as quantize_activations does (a short last block on
@@ -217,7 +217,7 @@ def test_int4_rows_that_are_not_whole_groups_stay_int8():
     assert lin.codes is None and lin.hbits is None and lin.qweight.dtype == torch.int8
 
 
-@pytest.mark.parametrize("rows", [1, 3, 5, 9])  # tiles of 4 and each remainder
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9, 14])  # tiles of 8 (int5) or 4 and each remainder
 @pytest.mark.parametrize("K", [32, 96, 160, 288, 544, 896])  # G % 8 and G % 4 tails, 8-group blocks
 @pytest.mark.parametrize("wide", [False, True], ids=["avx2", "avx512"])
 @pytest.mark.parametrize("bits", [4, 5])

@@ -163,106 +163,108 @@ inline __m256 group_dots(const uint8_t* codes, const uint8_t* hb, const int8_t* 
   return dot_bytes(group_codes<kFive>(codes, hb, j), load_bytes(xq + j * kGroup));
 }
 
-// Weight row n of an int4 or int5 matrix against activation rows r0 .. r0 + R - 1, into
-// y[r * ldy + n]. Per output element the order is fixed: group g's dot, times the step
-// product d[g] * dx[g], goes into accumulator g % 2 (eight float lanes each); each eight
-// groups' offsets m . xs go into a third; the three are added and their lanes summed (hsum),
-// and the last G % 8 groups' offsets, summed one by one, are added last. R only decides how many rows share each unpacked group.
-template <bool kFive, int R>
-inline void group_tile(const QuantizedRows& a, int64_t r0, const uint8_t* codes, const uint8_t* hb,
-                       const uint16_t* d, const uint16_t* m, float* y, int64_t ldy) {
-  const int64_t G = a.G;
-  const int8_t* xq[R];
-  const float *dx[R], *xs[R];
-  // acc0: even groups, acc1: odd groups, am: offsets (named apart so they stay in registers)
-  __m256 acc0[R], acc1[R], am[R];
-  alignas(32) float sc[R][8];
-  for (int r = 0; r < R; ++r) {
-    xq[r] = a.q(r0 + r), dx[r] = a.step(r0 + r), xs[r] = a.sum(r0 + r);
-    acc0[r] = acc1[r] = am[r] = _mm256_setzero_ps();
-  }
-  auto add_group = [&](__m256* acc, __m256i u, int64_t j, const float (*scale)[8], int k) {
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm256_fmadd_ps(dot_bytes(u, load_bytes(xq[r] + j * kGroup)), _mm256_broadcast_ss(&scale[r][k]),
-                               acc[r]);
-  };
+// sum_g m[g] * xs[g] over G groups in one fixed order: eight lanes by eight groups, their sum,
+// then the last G % 8 groups one by one. The offsets' share of an int4 or int5 output.
+inline float group_offsets(const uint16_t* m, const float* xs, int64_t G) {
+  __m256 am = _mm256_setzero_ps();
   int64_t g = 0;
-  for (; g + 8 <= G; g += 8) {
-    // eight groups are 128 bytes of codes: two cache lines to prefetch
-    _mm_prefetch(reinterpret_cast<const char*>(codes + g * (kGroup / 2) + kPrefetch), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(codes + g * (kGroup / 2) + kPrefetch + 64), _MM_HINT_T0);
-    if constexpr (kFive) _mm_prefetch(reinterpret_cast<const char*>(hb + g * 4 + kPrefetch / 4), _MM_HINT_T0);
-    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g)));
-    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g)));
-    for (int r = 0; r < R; ++r) {
-      _mm256_store_ps(sc[r], _mm256_mul_ps(dv, _mm256_loadu_ps(dx[r] + g)));
-      am[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs[r] + g), am[r]);
-    }
-    for (int j = 0; j < 8; j += 2) {
-      add_group(acc0, group_codes<kFive>(codes, hb, g + j), g + j, sc, j);
-      add_group(acc1, group_codes<kFive>(codes, hb, g + j + 1), g + j + 1, sc, j + 1);
-    }
-  }
-  float off[R];
-  alignas(32) float sg[R][8];
-  for (int r = 0; r < R; ++r) off[r] = 0.f;
-  for (; g < G; ++g) {  // the last G % 8 groups, still even into acc0 and odd into acc1
-    const float dg = _cvtsh_ss(d[g]), mg = _cvtsh_ss(m[g]);
-    for (int r = 0; r < R; ++r) {
-      sg[r][0] = dg * dx[r][g];
-      off[r] = std::fma(mg, xs[r][g], off[r]);
-    }
-    add_group(g & 1 ? acc1 : acc0, group_codes<kFive>(codes, hb, g), g, sg, 0);
-  }
-  for (int r = 0; r < R; ++r)
-    y[(r0 + r) * ldy] = longattn::hsum(_mm256_add_ps(_mm256_add_ps(acc0[r], acc1[r]), am[r])) + off[r];
+  for (; g + 8 <= G; g += 8)
+    am = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g))),
+                         _mm256_loadu_ps(xs + g), am);
+  float off = longattn::hsum(am);
+  for (; g < G; ++g) off = std::fma(_cvtsh_ss(m[g]), xs[g], off);
+  return off;
 }
 
-// Weight row w (K int8 values, scale s) against activation rows r0 .. r0 + R - 1, into
-// y[r * ldy]. Per output element: group g's dot times dx[g] goes into accumulator g % 2, the
-// lanes are summed, a short last block's dot is added with one fma, and the sum is scaled by s.
-// vpmaddubsw multiplies unsigned by signed bytes, so |q| meets xq with q's sign moved onto it.
-template <int R>
-inline void int8_tile(const QuantizedRows& a, int64_t r0, const int8_t* w, float s, float* y, int64_t ldy) {
+// Weight rows n0 .. n0 + NR - 1 of an int4 or int5 matrix against activation rows r0 .. r0 + R
+// - 1, into y[r * ldy + n]. Per output element the order is fixed and the same for every tile
+// shape: group g's integer dot (eight int32 lanes, exact), as float32, times the step product
+// d[g] * dx[g], goes into one eight-lane accumulator in group order; its lanes are summed
+// (hsum) and the offsets (group_offsets) added. The tile shape only decides which outputs share
+// each unpacked weight group and each loaded activation group, and how many independent
+// accumulator chains hide the fma latency (NR * R of them).
+template <bool kFive, int NR, int R>
+inline void group_tile(const QuantizedRows& a, int64_t r0, const uint8_t* const* codes, const uint8_t* const* hb,
+                       const uint16_t* const* d, const uint16_t* const* m, float* y, int64_t ldy) {
   const int64_t G = a.G;
   const int8_t* xq[R];
   const float* dx[R];
-  __m256 acc0[R], acc1[R];  // even and odd groups
-  for (int r = 0; r < R; ++r) {
-    xq[r] = a.q(r0 + r), dx[r] = a.step(r0 + r);
-    acc0[r] = acc1[r] = _mm256_setzero_ps();
-  }
-  auto add_group = [&](__m256* acc, int64_t g) {
-    const __m256i wv = load_bytes(w + g * kGroup);
-    const __m256i aw = _mm256_abs_epi8(wv);
-    for (int r = 0; r < R; ++r) {
-      const __m256 dot = dot_bytes(aw, _mm256_sign_epi8(load_bytes(xq[r] + g * kGroup), wv));
-      acc[r] = _mm256_fmadd_ps(dot, _mm256_broadcast_ss(dx[r] + g), acc[r]);
+  __m256 acc[NR][R];
+  alignas(32) float sc[NR][R][8];  // d[g] * dx[g] for eight groups
+  for (int r = 0; r < R; ++r) xq[r] = a.q(r0 + r), dx[r] = a.step(r0 + r);
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
+  auto add_group = [&](int64_t j, const float* scale, int64_t stride_i, int64_t stride_r) {
+    for (int i = 0; i < NR; ++i) {
+      const __m256i u = group_codes<kFive>(codes[i], hb[i], j);
+      for (int r = 0; r < R; ++r)
+        acc[i][r] = _mm256_fmadd_ps(dot_bytes(u, load_bytes(xq[r] + j * kGroup)),
+                                    _mm256_broadcast_ss(scale + i * stride_i + r * stride_r), acc[i][r]);
     }
   };
   int64_t g = 0;
-  for (; g + 2 <= G; g += 2) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + g * kGroup + 2 * kPrefetch), _MM_HINT_T0);
-    add_group(acc0, g);
-    add_group(acc1, g + 1);
-  }
-  if (g < G) add_group(acc0, g);
-  for (int r = 0; r < R; ++r) {
-    float v = longattn::hsum(_mm256_add_ps(acc0[r], acc1[r]));
-    if (a.T > 0) {
-      int32_t t = 0;
-      for (int64_t k = G * kGroup; k < a.K; ++k) t += static_cast<int32_t>(w[k]) * xq[r][k];
-      v = std::fma(static_cast<float>(t), dx[r][G], v);
+  for (; g + 8 <= G; g += 8) {
+    for (int i = 0; i < NR; ++i) {  // eight groups are 128 bytes of codes: two cache lines
+      _mm_prefetch(reinterpret_cast<const char*>(codes[i] + g * (kGroup / 2) + kPrefetch), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(codes[i] + g * (kGroup / 2) + kPrefetch + 64), _MM_HINT_T0);
+      if constexpr (kFive) _mm_prefetch(reinterpret_cast<const char*>(hb[i] + g * 4 + kPrefetch / 4), _MM_HINT_T0);
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d[i] + g)));
+      for (int r = 0; r < R; ++r) _mm256_store_ps(sc[i][r], _mm256_mul_ps(dv, _mm256_loadu_ps(dx[r] + g)));
     }
-    y[(r0 + r) * ldy] = v * s;
+    for (int k = 0; k < 8; ++k) add_group(g + k, &sc[0][0][k], R * 8, 8);
   }
+  for (; g < G; ++g) {  // the last G % 8 groups: the same products, one group at a time
+    float sg[NR][R];
+    for (int i = 0; i < NR; ++i)
+      for (int r = 0; r < R; ++r) sg[i][r] = _cvtsh_ss(d[i][g]) * dx[r][g];
+    add_group(g, &sg[0][0], R, 1);
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < R; ++r)
+      y[(r0 + r) * ldy + i] = longattn::hsum(acc[i][r]) + group_offsets(m[i], a.sum(r0 + r), G);
 }
 
-// Activation rows per tile: each unpacked weight group feeds this many rows (register-bound:
-// two accumulators and an offset sum per row, of AVX2's 16 registers).
-constexpr int kTileRows = 4;
-// Activation rows per cache block: about this many bytes of quantized rows stay in L2 while a
-// thread's weight rows stream past them.
+// Weight rows n0 .. n0 + NR - 1 (K int8 values each, scales s) against activation rows r0 ..
+// r0 + R - 1, into y[r * ldy + i]. Per output element, for every tile shape: group g's dot
+// times dx[g] goes into one eight-lane accumulator in group order, the lanes are summed, a
+// short last block's dot is added with one fma, and the sum is scaled by s.
+// vpmaddubsw multiplies unsigned by signed bytes, so |q| meets xq with q's sign moved onto it.
+template <int NR, int R>
+inline void int8_tile(const QuantizedRows& a, int64_t r0, const int8_t* const* w, const float* s, float* y,
+                      int64_t ldy) {
+  const int64_t G = a.G;
+  const int8_t* xq[R];
+  const float* dx[R];
+  __m256 acc[NR][R];
+  for (int r = 0; r < R; ++r) xq[r] = a.q(r0 + r), dx[r] = a.step(r0 + r);
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    if ((g & 1) == 0)
+      for (int i = 0; i < NR; ++i)
+        _mm_prefetch(reinterpret_cast<const char*>(w[i] + g * kGroup + 2 * kPrefetch), _MM_HINT_T0);
+    for (int i = 0; i < NR; ++i) {
+      const __m256i wv = load_bytes(w[i] + g * kGroup);
+      const __m256i aw = _mm256_abs_epi8(wv);
+      for (int r = 0; r < R; ++r)
+        acc[i][r] = _mm256_fmadd_ps(dot_bytes(aw, _mm256_sign_epi8(load_bytes(xq[r] + g * kGroup), wv)),
+                                    _mm256_broadcast_ss(dx[r] + g), acc[i][r]);
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < R; ++r) {
+      float v = longattn::hsum(acc[i][r]);
+      if (a.T > 0) {
+        int32_t t = 0;
+        for (int64_t k = G * kGroup; k < a.K; ++k) t += static_cast<int32_t>(w[i][k]) * xq[r][k];
+        v = std::fma(static_cast<float>(t), dx[r][G], v);
+      }
+      y[(r0 + r) * ldy + i] = v * s[i];
+    }
+}
+
+// Activation rows per cache block: about this many bytes of quantized rows stay in cache while
+// a thread's weight rows stream past them.
 constexpr int64_t kRowBlockBytes = 192 * 1024;
 
 // Weight rows per thread task: about 32 KiB of weights (row_bytes each).
@@ -270,22 +272,44 @@ inline int64_t weight_grain(int64_t row_bytes) {
   return std::max<int64_t>(1, (32 * 1024) / std::max<int64_t>(row_bytes, 1));
 }
 
-// Calls tile(R, r0, n) (R a std::integral_constant) for every weight row n and every tile of
-// activation rows, weight rows split across threads (weight_grain).
-template <class Tile>
+// Weight rows per tile for a tile of R activation rows: NR * R accumulator chains, enough to
+// hide the fma latency, few enough to stay in AVX2's sixteen registers.
+template <int R>
+constexpr int tile_cols() { return R > 4 ? 1 : R >= 3 ? 2 : 4; }
+
+// Calls tile(NR, R, r0, n0) (both std::integral_constant) over every tile of weight rows and
+// activation rows: tiles of kRows activation rows (4 or 8) while they last, then one of each
+// smaller size the remainder needs; weight rows in panels of 32 (whose codes stay in L1 while
+// the block's row tiles pass) and split across threads (weight_grain). Which tile an output
+// falls in never changes its value (group_tile, int8_tile). More rows per tile share each
+// unpacked weight group among more rows, which pays where unpacking costs (int5's fifth bits);
+// fewer rows and more weight rows share each activation load, which pays for int4 and int8
+// (measured in benchmarks/prefill_gemm.py).
+template <int kRows, class Tile>
 void for_tiles(int64_t M, int64_t N, int64_t K, int64_t row_bytes, const Tile& tile) {
+  static_assert(kRows == 4 || kRows == 8, "tiles of 4 or 8 activation rows");
   const int64_t grain = weight_grain(row_bytes);
-  const int64_t block = std::max<int64_t>(kTileRows, kRowBlockBytes / std::max<int64_t>(K, 1) / kTileRows * kTileRows);
+  const int64_t block = std::max<int64_t>(kRows, kRowBlockBytes / std::max<int64_t>(K, 1) / kRows * kRows);
+  auto rows = [&](auto R, int64_t r, int64_t n0, int64_t n1) {
+    constexpr int NR = tile_cols<decltype(R)::value>();
+    int64_t n = n0;
+    for (; n + NR <= n1; n += NR) tile(std::integral_constant<int, NR>{}, R, r, n);
+    for (; n < n1; ++n) tile(std::integral_constant<int, 1>{}, R, r, n);
+  };
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t m0 = 0; m0 < M; m0 += block) {
       const int64_t m1 = std::min(M, m0 + block);
-      for (int64_t n = n0; n < n1; ++n) {
+      for (int64_t p0 = n0; p0 < n1; p0 += 32) {
+        const int64_t p1 = std::min(n1, p0 + 32);
         int64_t r = m0;
-        for (; r + kTileRows <= m1; r += kTileRows) tile(std::integral_constant<int, kTileRows>{}, r, n);
+        for (; r + kRows <= m1; r += kRows) rows(std::integral_constant<int, kRows>{}, r, p0, p1);
+        if constexpr (kRows > 4) {
+          if (r + 4 <= m1) rows(std::integral_constant<int, 4>{}, r, p0, p1), r += 4;
+        }
         switch (m1 - r) {
-          case 3: tile(std::integral_constant<int, 3>{}, r, n); break;
-          case 2: tile(std::integral_constant<int, 2>{}, r, n); break;
-          case 1: tile(std::integral_constant<int, 1>{}, r, n); break;
+          case 3: rows(std::integral_constant<int, 3>{}, r, p0, p1); break;
+          case 2: rows(std::integral_constant<int, 2>{}, r, p0, p1); break;
+          case 1: rows(std::integral_constant<int, 1>{}, r, p0, p1); break;
           default: break;
         }
       }
@@ -426,9 +450,16 @@ at::Tensor group_gemm(const at::Tensor& x, const PackedGroups& w, int64_t isa) {
     });
     return y;
   }
-  for_tiles(M, N, K, row_bytes, [&](auto R, int64_t r0, int64_t n) {
-    group_tile<kFive, decltype(R)::value>(a, r0, w.codes + n * (K / 2), kFive ? w.hb + n * (K / 8) : nullptr,
-                                          w.d + n * G, w.m + n * G, yp + n, N);
+  for_tiles<kFive ? 8 : 4>(M, N, K, row_bytes, [&](auto NR, auto R, int64_t r0, int64_t n) {
+    constexpr int kNR = decltype(NR)::value;
+    const uint8_t* codes[kNR];
+    const uint8_t* hb[kNR];
+    const uint16_t *d[kNR], *m[kNR];
+    for (int i = 0; i < kNR; ++i) {
+      codes[i] = w.codes + (n + i) * (K / 2), hb[i] = kFive ? w.hb + (n + i) * (K / 8) : nullptr;
+      d[i] = w.d + (n + i) * G, m[i] = w.m + (n + i) * G;
+    }
+    group_tile<kFive, kNR, decltype(R)::value>(a, r0, codes, hb, d, m, yp + n, N);
   });
   return y;
 }
@@ -462,8 +493,11 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   const int8_t* qp = qc.data_ptr<int8_t>();
   const float* sp = sc.data_ptr<float>();
   const QuantizedRows a(xc.data_ptr<float>(), M, K);
-  for_tiles(M, N, K, K, [&](auto R, int64_t r0, int64_t n) {
-    int8_tile<decltype(R)::value>(a, r0, qp + n * K, sp[n], yp + n, N);
+  for_tiles<4>(M, N, K, K, [&](auto NR, auto R, int64_t r0, int64_t n) {
+    constexpr int kNR = decltype(NR)::value;
+    const int8_t* rows[kNR];
+    for (int i = 0; i < kNR; ++i) rows[i] = qp + (n + i) * K;
+    int8_tile<kNR, decltype(R)::value>(a, r0, rows, sp + n, yp + n, N);
   });
   return y;
 }
