@@ -64,19 +64,23 @@ def test_avx2_int8_kernel_is_built_where_the_cpu_has_avx2():
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 9, 70])  # one tile of 4, tiles and each remainder
 @pytest.mark.parametrize("K", [96, 288, 100, 77, 5])  # whole blocks, short last blocks, one short block
-def test_int8_kernel_matches_exact_reference(rows, K):
+@pytest.mark.parametrize("wide", [False, True], ids=["avx2", "avx512"])
+def test_int8_kernel_matches_exact_reference(rows, K, wide):
     """Activations rounded per block of 32 as quantize_activations does (a short last block on
     its own), integer dots exact, one rounding per block step into float32 lanes and one for the
     row scale: within (G + 10) float32 roundings of the sum of |terms| plus half an ulp, against
     float64 arithmetic on the same rounded inputs; PyTorch's evaluation (the fallback) within K.
-    Every row gets the same bits alone as in the batch, whatever its neighbours."""
+    Every row gets the same bits alone as in the batch, whatever its neighbours. For the AVX2
+    form and (where the CPU has AVX-512 VNNI; elsewhere the AVX2 form is checked twice) the
+    AVX-512 one, whose odd last group and short block take the AVX2 form's dots."""
     assert native.available()
+    isa = "avx512" if wide and native.has_avx512() else "avx2"
     g = torch.Generator().manual_seed(rows * 1000 + K)
     N = 70  # split over threads
     x = torch.randn(rows, K, generator=g) * torch.logspace(-2, 1, K)
     x[0, :min(K, 32)] = 0.0  # an all-zero activation block
     q, s = quantize_int8(torch.randn(N, K, generator=g))
-    y = int8_matmul(x, q, s, kernel="avx2")
+    y = int8_matmul(x, q, s, kernel="avx2", isa=isa)
     xe = quantize_activations(x).double()
     w = q.double() * s.double()[:, None]
     ref = xe @ w.T
@@ -86,7 +90,8 @@ def test_int8_kernel_matches_exact_reference(rows, K):
     assert torch.all((y.double() - ref).abs() <= 2.0 ** -24 * ref.abs() + (G + 10) * 2.0 ** -23 * terms + 1e-30)
     y_torch = int8_matmul(x, q, s, kernel="torch")
     assert torch.all((y_torch.double() - ref).abs() <= 2.0 ** -24 * ref.abs() + K * 2.0 ** -23 * terms + 1e-30)
-    _check_row_invariance(lambda x_, rows_=slice(None): torch.ops.longattn_cpu.int8_gemm(x_, q[rows_], s[rows_]), x, y)
+    _check_row_invariance(
+        lambda x_, rows_=slice(None): torch.ops.longattn_cpu.int8_gemm(x_, q[rows_], s[rows_], native.isa_code(isa)), x, y)
 
 
 def _check_row_invariance(op, x, y):

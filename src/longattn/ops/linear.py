@@ -148,14 +148,17 @@ def _quantized_matmul(x: torch.Tensor, n_out: int, kernel: str, native_op, weigh
     return y.reshape(*shape[:-1], n_out)
 
 
-def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, kernel: str = "torch") -> torch.Tensor:
+def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, kernel: str = "torch",
+                isa: str | None = None) -> torch.Tensor:
     """``x [..., K]`` -> ``quantize_activations(x) @ (q * scales)^T`` as ``[..., N]``.
 
-    kernel "avx2" (float32 x only): longattn's kernel (``csrc/quant_gemm.cpp``). Otherwise
-    PyTorch evaluates the same product in x's dtype (the fallback where the kernel cannot run).
+    kernel "avx2" (float32 x only): longattn's kernel (``csrc/quant_gemm.cpp``; ``isa`` picks its
+    AVX2 or AVX-512 form, ``ops.native.isa_code``). Otherwise PyTorch evaluates the same product
+    in x's dtype (the fallback where the kernel cannot run).
     """
-    return _quantized_matmul(x, q.shape[0], kernel, lambda x2: torch.ops.longattn_cpu.int8_gemm(x2, q, scales, -1),
-                             lambda dtype: dequantize_int8(q, scales, dtype))
+    return _quantized_matmul(
+        x, q.shape[0], kernel, lambda x2: torch.ops.longattn_cpu.int8_gemm(x2, q, scales, native.isa_code(isa)),
+        lambda dtype: dequantize_int8(q, scales, dtype))
 
 
 def int4_matmul(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor,

@@ -30,7 +30,7 @@ inline void check_isa(int64_t isa) {
   TORCH_CHECK(isa != 1 || cpu_avx512(), "this CPU lacks AVX-512 F/BW/VL/DQ/VNNI");
 }
 
-// SCSA's opened-row phase and the int4 and int5 GEMMs: automatic takes the AVX-512 forms where
+// SCSA's opened-row phase and the quantized GEMMs: automatic takes the AVX-512 forms where
 // the CPU has them, since they pay on Intel and AMD (Zen 4) AVX-512 hosts.
 inline bool use_avx512(int64_t isa) {
   check_isa(isa);

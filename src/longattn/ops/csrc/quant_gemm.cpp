@@ -26,8 +26,9 @@
 // Why integer dots: one vpmaddubsw does 32 multiply-adds where a float32 fma does 8, and the
 // weights are read as stored (no widened copy), so prefill is faster than a float32 GEMM on
 // widened weights and decode reads 0.625 (int4), 0.75 (int5) or ~1 (int8) bytes a weight.
-// Where the CPU has AVX-512 VNNI, int4 and int5 run row_dot_512 (below) per output element:
-// the same integer dots four groups at a time, summed in its own fixed order.
+// Where the CPU has AVX-512 VNNI, every format runs the AVX-512 forms (group_tile_512,
+// int8_tile_512): the same tiles and integer dots, 64 bytes per vpdpbusd, summed in their own
+// fixed order.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -157,12 +158,6 @@ inline __m256 dot_bytes(__m256i u, __m256i x) {
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
 }
 
-// The AVX2 form of group_dots' integer dot, for row_dot_512's last groups.
-template <bool kFive>
-inline __m256 group_dots(const uint8_t* codes, const uint8_t* hb, const int8_t* xq, int64_t j) {
-  return dot_bytes(group_codes<kFive>(codes, hb, j), load_bytes(xq + j * kGroup));
-}
-
 // sum_g m[g] * xs[g] over G groups in one fixed order: eight lanes by eight groups, their sum,
 // then the last G % 8 groups one by one. The offsets' share of an int4 or int5 output.
 inline float group_offsets(const uint16_t* m, const float* xs, int64_t G) {
@@ -273,25 +268,31 @@ inline int64_t weight_grain(int64_t row_bytes) {
 }
 
 // Weight rows per tile for a tile of R activation rows: NR * R accumulator chains, enough to
-// hide the fma latency, few enough to stay in AVX2's sixteen registers.
-template <int R>
-constexpr int tile_cols() { return R > 4 ? 1 : R >= 3 ? 2 : 4; }
+// hide the fma latency, few enough to stay in AVX2's sixteen registers (kWide: AVX-512's 32,
+// where 16 chains fit beside the unpacked codes).
+template <int R, bool kWide>
+constexpr int tile_cols() {
+  if constexpr (kWide) return R > 4 ? 2 : 4;
+  return R > 4 ? 1 : R >= 3 ? 2 : 4;
+}
 
 // Calls tile(NR, R, r0, n0) (both std::integral_constant) over every tile of weight rows and
 // activation rows: tiles of kRows activation rows (4 or 8) while they last, then one of each
 // smaller size the remainder needs; weight rows in panels of 32 (whose codes stay in L1 while
 // the block's row tiles pass) and split across threads (weight_grain). Which tile an output
-// falls in never changes its value (group_tile, int8_tile). More rows per tile share each
-// unpacked weight group among more rows, which pays where unpacking costs (int5's fifth bits);
-// fewer rows and more weight rows share each activation load, which pays for int4 and int8
-// (measured in benchmarks/prefill_gemm.py).
-template <int kRows, class Tile>
+// falls in never changes its value (group_tile, int8_tile and their AVX-512 forms). More rows
+// per tile share each unpacked weight group among more rows, which pays where unpacking costs
+// (int5's fifth bits); fewer rows and more weight rows share each activation load, which pays
+// for int4 and int8 (measured in benchmarks/prefill_gemm.py). kWide: the AVX-512 forms' tile
+// sizes (tile_cols), where row tiles of 4 or 8 and panels of 32 to 1,024 weight rows measured
+// within a few percent of each other: the forms are bound by vpdpbusd and its conversions.
+template <int kRows, bool kWide = false, class Tile>
 void for_tiles(int64_t M, int64_t N, int64_t K, int64_t row_bytes, const Tile& tile) {
   static_assert(kRows == 4 || kRows == 8, "tiles of 4 or 8 activation rows");
   const int64_t grain = weight_grain(row_bytes);
   const int64_t block = std::max<int64_t>(kRows, kRowBlockBytes / std::max<int64_t>(K, 1) / kRows * kRows);
   auto rows = [&](auto R, int64_t r, int64_t n0, int64_t n1) {
-    constexpr int NR = tile_cols<decltype(R)::value>();
+    constexpr int NR = tile_cols<decltype(R)::value, kWide>();
     int64_t n = n0;
     for (; n + NR <= n1; n += NR) tile(std::integral_constant<int, NR>{}, R, r, n);
     for (; n < n1; ++n) tile(std::integral_constant<int, 1>{}, R, r, n);
@@ -317,42 +318,166 @@ void for_tiles(int64_t M, int64_t N, int64_t K, int64_t row_bytes, const Tile& t
   });
 }
 
-// group_tile's AVX-512 VNNI form (one activation row): four groups per 512-bit vector, one 128-bit lane per group.
-// The group's low nibbles (values 0..15) and high nibbles (16..31) are masked in place and each
-// meets its half of the activations in one vpdpbusd (unsigned codes times signed int8 into
-// int32 lanes of four exact products), so a group needs neither the shift-and-broadcast nor the
-// vpmaddubsw + vpmaddwd pair of the AVX2 form: about a third of its instructions per weight,
-// which matters because instructions, not memory, bound the AVX2 form on short rows. int5's
-// fifth bits of four groups are two 64-bit masks (one byte shuffle of their four words), each
-// added to its half in one masked byte add.
-// xs2: the activation row rearranged by group_gemm, per four groups 64 bytes of their low
-// halves then 64 of their high halves. The integer dot of each group is the same as group_tile's,
-// but it lands in four float lanes instead of eight, so sums differ from the AVX2 form's in the
-// last bits (both are within the bound tests/core/test_weights.py derives).
+// The AVX-512 VNNI forms (CPUs with AVX-512 F/BW/VL/DQ and VNNI; cpu_features.h). The tiles,
+// the threads and each output's integer dots are as in the AVX2 forms; what changes is how many
+// groups one instruction covers: vpdpbusd multiplies 64 unsigned bytes by 64 signed bytes and
+// adds each four products into an int32 lane (exact), where AVX2 needs vpmaddubsw + vpmaddwd for
+// 32. Per output element the order is again fixed for every tile shape: a 16-lane float
+// accumulator takes four groups (int4, int5) or two (int8) per step in group order, then its two
+// halves and the last groups' eight-lane sum are added and summed. Its sums differ from the AVX2
+// form's in the last bits (both within the bound tests/core/test_weights.py derives); a machine
+// runs one form for every call, so a row's bits never depend on its batch.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
-template <bool kFive>
-float row_dot_512(const int8_t* xs2, const int8_t* xq, const uint8_t* codes, const uint8_t* hb, const uint16_t* d,
-                  const uint16_t* m, const float* dx, const float* xs, int64_t G) {
+
+// The activation rows in the AVX-512 forms' layouts, built once per call from QuantizedRows, for
+// Gp groups per row: G rounded up to the groups one step takes (`per`: 4 for int4 and int5, 2
+// for int8), the padding zero, so the last step reads whole vectors and adds nothing for them:
+// - halves (int4, int5) [M, Gp * 32]: per four groups, their four low halves (values 0..15 of
+//   each, 16 bytes apiece) then their four high halves, so each 128-bit lane meets one group's
+//   low or high nibbles;
+// - biased (int8) [M, Gp * 32]: xq + 128 as unsigned bytes (vpdpbusd's unsigned operand; the
+//   signed weights' 128 * sum is taken off per group, below);
+// - steps [M, Gp * lanes]: each block step repeated over the int32 lanes its group's dots land
+//   in (4 for int4 and int5, 8 for int8).
+struct WideRows {
+  int64_t G, per, Gp, lanes;
+  std::vector<int8_t> halves;
+  std::vector<uint8_t> biased;
+  std::vector<float> steps;
+
+  WideRows(const QuantizedRows& a, bool groups)
+      : G(a.G), per(groups ? 4 : 2), Gp((a.G + per - 1) / per * per), lanes(groups ? 4 : 8),
+        steps(a.M * Gp * lanes, 0.f) {
+    if (groups) halves.assign(a.M * Gp * kGroup, 0);
+    else biased.assign(a.M * Gp * kGroup, 0);
+    for (int64_t r = 0; r < a.M; ++r) {
+      const int8_t* xq = a.q(r);
+      if (groups) {
+        int8_t* h = halves.data() + r * Gp * kGroup;
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t j = g / 4 * 4, i = g % 4;
+          std::memcpy(h + j * kGroup + 16 * i, xq + g * kGroup, 16);
+          std::memcpy(h + j * kGroup + 64 + 16 * i, xq + g * kGroup + 16, 16);
+        }
+      } else {
+        for (int64_t k = 0; k < G * kGroup; ++k) biased[r * Gp * kGroup + k] = static_cast<uint8_t>(xq[k] + 128);
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t l = 0; l < lanes; ++l) steps[(r * Gp + g) * lanes + l] = a.step(r)[g];
+    }
+  }
+  const int8_t* half(int64_t r) const { return halves.data() + r * Gp * kGroup; }
+  const uint8_t* bias(int64_t r) const { return biased.data() + r * Gp * kGroup; }
+  const float* step(int64_t r) const { return steps.data() + r * Gp * lanes; }
+};
+
+// The sum of a 16-lane accumulator: its halves added, then summed as the AVX2 form sums its own.
+inline float finish(__m512 acc) {
+  return hsum(_mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1)));
+}
+
+// group_tile's AVX-512 form: weight rows n0 .. n0 + NR - 1 against activation rows r0 .. r0 +
+// R - 1. Four groups per step: their 64 code bytes are masked into low nibbles (values 0..15 of
+// each group, one 128-bit lane each) and high nibbles (16..31); int5's fifth bits of the four
+// groups are two 64-bit masks (one byte shuffle of their four words), each added to its half
+// in one masked byte add. Each half meets its activations in one vpdpbusd; the int32 dots, as
+// float32, times d[g] * dx[g] (lane-wise: the steps WideRows repeats per lane), go into the
+// output's accumulator. A last step of fewer than four groups loads only theirs (masked), so
+// the missing lanes add zero; the offsets' share is group_offsets, as in the AVX2 form.
+template <bool kFive, int NR, int R>
+inline void group_tile_512(const QuantizedRows& a, const WideRows& wa, int64_t r0, const uint8_t* const* codes,
+                           const uint8_t* const* hb, const uint16_t* const* d, const uint16_t* const* m, float* y,
+                           int64_t ldy) {
+  const int64_t G = a.G;
   const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
   // the four words' low 16 bits (values 0..15 of each group), then their high 16 bits
   const __m128i halves = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
-  // lanes 4i..4i+3 take scale i (first four groups of eight) or 4 + i (last four)
+  const __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const int8_t* xh[R];
+  const float* st[R];
+  __m512 acc[NR][R];
+  for (int r = 0; r < R; ++r) xh[r] = wa.half(r0 + r), st[r] = wa.step(r0 + r);
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
+  auto four = [&](int64_t g, auto partial) {  // groups g .. g + 3 (the last ones only: partial)
+    const int64_t t = decltype(partial)::value ? G - g : 4;
+    __m512i lo[NR], hi[NR];
+    __m512 dv[NR];
+    if constexpr (!decltype(partial)::value) {
+      for (int i = 0; i < NR; ++i)
+        _mm_prefetch(reinterpret_cast<const char*>(codes[i] + g * (kGroup / 2) + kPrefetch), _MM_HINT_T0);
+      if constexpr (kFive)  // 16 groups' fifth bits are one cache line
+        if ((g & 15) == 0)
+          for (int i = 0; i < NR; ++i)
+            _mm_prefetch(reinterpret_cast<const char*>(hb[i] + g * 4 + kPrefetch / 4), _MM_HINT_T0);
+    }
+    for (int i = 0; i < NR; ++i) {
+      __m512i c;
+      __m128i w, dh;
+      if constexpr (decltype(partial)::value) {
+        c = _mm512_maskz_loadu_epi8((1ULL << (16 * t)) - 1, codes[i] + g * (kGroup / 2));
+        dh = _mm_maskz_loadu_epi16(static_cast<__mmask8>((1 << t) - 1), d[i] + g);
+        if constexpr (kFive) w = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1 << (4 * t)) - 1), hb[i] + 4 * g);
+      } else {
+        c = _mm512_loadu_si512(codes[i] + g * (kGroup / 2));
+        dh = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(d[i] + g));
+        if constexpr (kFive) w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(hb[i] + 4 * g));
+      }
+      lo[i] = _mm512_and_si512(c, low4), hi[i] = _mm512_and_si512(_mm512_srli_epi16(c, 4), low4);
+      if constexpr (kFive) {
+        w = _mm_shuffle_epi8(w, halves);
+        lo[i] = _mm512_mask_add_epi8(lo[i], static_cast<__mmask64>(_mm_cvtsi128_si64(w)), lo[i], bit4);
+        hi[i] = _mm512_mask_add_epi8(hi[i], static_cast<__mmask64>(_mm_extract_epi64(w, 1)), hi[i], bit4);
+      }
+      dv[i] = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(_mm_cvtph_ps(dh)));
+    }
+    for (int i = 0; i < NR; ++i)
+      for (int r = 0; r < R; ++r) {
+        __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[i], _mm512_loadu_si512(xh[r] + g * kGroup));
+        dots = _mm512_dpbusd_epi32(dots, hi[i], _mm512_loadu_si512(xh[r] + g * kGroup + 64));
+        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(dv[i], _mm512_loadu_ps(st[r] + g * 4)),
+                                    acc[i][r]);
+      }
+  };
+  int64_t g = 0;
+  for (; g + 4 <= G; g += 4) four(g, std::false_type{});
+  if (g < G) four(g, std::true_type{});
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < R; ++r)
+      y[(r0 + r) * ldy + i] = finish(acc[i][r]) + group_offsets(m[i], a.sum(r0 + r), G);
+}
+
+// group_tile_512 for one weight row and one activation row (a decode step's products), in
+// fewer instructions: eight groups per iteration, whose eight scales d[g] * dx[g] are one
+// 256-bit product spread over the lanes of each four, and the offsets' eight-lane sum in the
+// same loop. Every sum is the one group_tile_512 forms, in its order: the same bits.
+template <bool kFive>
+float row_dot_512(const QuantizedRows& a, const WideRows& wa, int64_t r, const uint8_t* codes, const uint8_t* hb,
+                  const uint16_t* d, const uint16_t* m) {
+  const int64_t G = a.G;
+  const int8_t* xh = wa.half(r);
+  const float *dx = a.step(r), *xs = a.sum(r);
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+  const __m128i halves = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
   const __m512i pick_lo = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   const __m512i pick_hi = _mm512_add_epi32(pick_lo, _mm512_set1_epi32(4));
   __m512 acc = _mm512_setzero_ps();
   __m256 am = _mm256_setzero_ps();
-  auto four = [&](int64_t j, __m512 sc) {  // groups j .. j + 3, sc: their scales in 128-bit lanes
-    const __m512i c = _mm512_loadu_si512(codes + j * (kGroup / 2));
+  auto four = [&](int64_t j, __m512 sc, __m512i c, __m128i w) {  // groups j .. j + 3: codes c, fifth bits w
     __m512i lo = _mm512_and_si512(c, low4), hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), low4);
     if constexpr (kFive) {
-      const __m128i w = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hb + 4 * j)), halves);
+      w = _mm_shuffle_epi8(w, halves);
       lo = _mm512_mask_add_epi8(lo, static_cast<__mmask64>(_mm_cvtsi128_si64(w)), lo, bit4);
       hi = _mm512_mask_add_epi8(hi, static_cast<__mmask64>(_mm_extract_epi64(w, 1)), hi, bit4);
     }
-    __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xs2 + j * kGroup));
-    dots = _mm512_dpbusd_epi32(dots, hi, _mm512_loadu_si512(xs2 + j * kGroup + 64));
+    __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xh + j * kGroup));
+    dots = _mm512_dpbusd_epi32(dots, hi, _mm512_loadu_si512(xh + j * kGroup + 64));
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), sc, acc);
+  };
+  auto fifth = [&](int64_t j) {
+    if constexpr (kFive) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(hb + 4 * j));
+    return _mm_setzero_si128();
   };
   int64_t g = 0;
   for (; g + 8 <= G; g += 8) {
@@ -363,37 +488,73 @@ float row_dot_512(const int8_t* xs2, const int8_t* xq, const uint8_t* codes, con
         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g))), _mm256_loadu_ps(dx + g)));
     am = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g))),
                          _mm256_loadu_ps(xs + g), am);
-    four(g, _mm512_permutexvar_ps(pick_lo, sc));
-    four(g + 4, _mm512_permutexvar_ps(pick_hi, sc));
+    four(g, _mm512_permutexvar_ps(pick_lo, sc), _mm512_loadu_si512(codes + g * (kGroup / 2)), fifth(g));
+    four(g + 4, _mm512_permutexvar_ps(pick_hi, sc), _mm512_loadu_si512(codes + (g + 4) * (kGroup / 2)), fifth(g + 4));
   }
-  float off = 0.f;
-  if (g + 4 <= G) {
-    alignas(16) float s4[4];
-    for (int i = 0; i < 4; ++i) {
-      s4[i] = _cvtsh_ss(d[g + i]) * dx[g + i];
-      off += _cvtsh_ss(m[g + i]) * xs[g + i];
+  float off = hsum(am);  // group_offsets' order: its eight-lane sum, then the last groups one by one
+  for (int64_t j = g; j < G; ++j) off = std::fma(_cvtsh_ss(m[j]), xs[j], off);
+  for (; g < G; g += 4) {  // the last G % 8 groups: a whole four, then fewer (masked) or none
+    const int64_t t = std::min<int64_t>(4, G - g);
+    const __mmask8 k = static_cast<__mmask8>((1 << t) - 1);
+    const __m512 sc = _mm512_permutexvar_ps(
+        pick_lo, _mm512_castps128_ps512(_mm_mul_ps(_mm_cvtph_ps(_mm_maskz_loadu_epi16(k, d + g)),
+                                                   _mm_maskz_loadu_ps(static_cast<__mmask8>(k), dx + g))));
+    __m128i w = _mm_setzero_si128();
+    if constexpr (kFive) w = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1 << (4 * t)) - 1), hb + 4 * g);
+    four(g, sc, _mm512_maskz_loadu_epi8(t == 4 ? ~0ULL : (1ULL << (16 * t)) - 1, codes + g * (kGroup / 2)), w);
+  }
+  return finish(acc) + off;
+}
+
+// int8_tile's AVX-512 form: two groups per step. vpdpbusd takes the activations biased to
+// unsigned (xq + 128) against the signed weights, starting each lane from -128 times the sum of
+// its four weights (one more vpdpbusd per weight row, shared by the tile's rows), so every int32
+// lane is exactly the AVX2 form's four-product dot. An odd last group is loaded alone (masked);
+// a short last block is added as in the AVX2 form.
+template <int NR, int R>
+inline void int8_tile_512(const QuantizedRows& a, const WideRows& wa, int64_t r0, const int8_t* const* w,
+                          const float* s, float* y, int64_t ldy) {
+  const int64_t G = a.G;
+  const __m512i k128 = _mm512_set1_epi8(static_cast<char>(0x80));
+  const uint8_t* xb[R];
+  const float* st[R];
+  __m512 acc[NR][R];
+  for (int r = 0; r < R; ++r) xb[r] = wa.bias(r0 + r), st[r] = wa.step(r0 + r);
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
+  auto two = [&](int64_t g, auto partial) {  // groups g and g + 1 (g alone: partial)
+    __m512i wv[NR], base[NR];
+    for (int i = 0; i < NR; ++i) {
+      if constexpr (decltype(partial)::value) {
+        wv[i] = _mm512_maskz_loadu_epi8(0xFFFFFFFFULL, w[i] + g * kGroup);
+      } else {
+        _mm_prefetch(reinterpret_cast<const char*>(w[i] + g * kGroup + 2 * kPrefetch), _MM_HINT_T0);
+        wv[i] = _mm512_loadu_si512(w[i] + g * kGroup);
+      }
+      base[i] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), k128, wv[i]));
     }
-    four(g, _mm512_permutexvar_ps(pick_lo, _mm512_castps128_ps512(_mm_load_ps(s4))));
-    g += 4;
-  }
-  __m256 acc0 = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
-  for (; g < G; ++g) {  // the last G % 4 groups as group_tile does them (xq: natural order)
-    acc0 = _mm256_fmadd_ps(group_dots<kFive>(codes, hb, xq, g), _mm256_set1_ps(_cvtsh_ss(d[g]) * dx[g]), acc0);
-    off += _cvtsh_ss(m[g]) * xs[g];
-  }
-  return hsum(_mm256_add_ps(acc0, am)) + off;
+    for (int i = 0; i < NR; ++i)
+      for (int r = 0; r < R; ++r) {
+        const __m512i dots = _mm512_dpbusd_epi32(base[i], _mm512_loadu_si512(xb[r] + g * kGroup), wv[i]);
+        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_loadu_ps(st[r] + g * 8), acc[i][r]);
+      }
+  };
+  int64_t g = 0;
+  for (; g + 2 <= G; g += 2) two(g, std::false_type{});
+  if (g < G) two(g, std::true_type{});
+  for (int i = 0; i < NR; ++i)
+    for (int r = 0; r < R; ++r) {
+      float v = finish(acc[i][r]);
+      if (a.T > 0) {
+        const int8_t* xq = a.q(r0 + r);
+        int32_t t = 0;
+        for (int64_t k = G * kGroup; k < a.K; ++k) t += static_cast<int32_t>(w[i][k]) * xq[k];
+        v = std::fma(static_cast<float>(t), a.step(r0 + r)[G], v);
+      }
+      y[(r0 + r) * ldy + i] = v * s[i];
+    }
 }
 #pragma GCC pop_options
-
-// xs2 for row_dot_512: per four whole groups of xq [K], their four low halves (16 values each)
-// then their four high halves; the last G % 4 groups are read from xq itself.
-void split_halves(const int8_t* xq, int64_t G, int8_t* xs2) {
-  for (int64_t j = 0; j + 4 <= G; j += 4)
-    for (int64_t i = 0; i < 4; ++i) {
-      std::memcpy(xs2 + j * kGroup + 16 * i, xq + (j + i) * kGroup, 16);
-      std::memcpy(xs2 + j * kGroup + 64 + 16 * i, xq + (j + i) * kGroup + 16, 16);
-    }
-}
 
 // The packed weight of the ops, checked once: codes [N, K/2] uint8, hbits [N, K/8] uint8 (int5
 // only; an undefined tensor for int4), d and m [N, K/32] float16 (K: the activations' length
@@ -437,28 +598,33 @@ at::Tensor group_gemm(const at::Tensor& x, const PackedGroups& w, int64_t isa) {
   float* yp = y.data_ptr<float>();
   const QuantizedRows a(xc.data_ptr<float>(), M, K);
   const int64_t row_bytes = K / 2 + (kFive ? K / 8 : 0);
+  const auto pointers = [&](auto NR, int64_t n, const uint8_t** codes, const uint8_t** hb, const uint16_t** d,
+                            const uint16_t** m) {
+    for (int i = 0; i < decltype(NR)::value; ++i) {
+      codes[i] = w.codes + (n + i) * (K / 2), hb[i] = kFive ? w.hb + (n + i) * (K / 8) : nullptr;
+      d[i] = w.d + (n + i) * G, m[i] = w.m + (n + i) * G;
+    }
+  };
   if (longattn::use_avx512(isa)) {
-    // the AVX-512 form reads the activations with each group's halves apart (split_halves)
-    std::vector<int8_t> xs2(M * K);
-    for (int64_t r = 0; r < M; ++r) split_halves(a.q(r), G, xs2.data() + r * K);
-    at::parallel_for(0, N, weight_grain(row_bytes), [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n)
-        for (int64_t r = 0; r < M; ++r)
-          yp[r * N + n] = row_dot_512<kFive>(xs2.data() + r * K, a.q(r), w.codes + n * (K / 2),
-                                             kFive ? w.hb + n * (K / 8) : nullptr, w.d + n * G, w.m + n * G,
-                                             a.step(r), a.sum(r), G);
+    const WideRows wa(a, true);
+    for_tiles<8, true>(M, N, K, row_bytes, [&](auto NR, auto R, int64_t r0, int64_t n) {
+      constexpr int kNR = decltype(NR)::value;
+      const uint8_t *codes[kNR], *hb[kNR];
+      const uint16_t *d[kNR], *m[kNR];
+      pointers(NR, n, codes, hb, d, m);
+      if constexpr (decltype(R)::value == 1) {
+        for (int i = 0; i < kNR; ++i) yp[r0 * N + n + i] = row_dot_512<kFive>(a, wa, r0, codes[i], hb[i], d[i], m[i]);
+      } else {
+        group_tile_512<kFive, kNR, decltype(R)::value>(a, wa, r0, codes, hb, d, m, yp + n, N);
+      }
     });
     return y;
   }
   for_tiles<kFive ? 8 : 4>(M, N, K, row_bytes, [&](auto NR, auto R, int64_t r0, int64_t n) {
     constexpr int kNR = decltype(NR)::value;
-    const uint8_t* codes[kNR];
-    const uint8_t* hb[kNR];
+    const uint8_t *codes[kNR], *hb[kNR];
     const uint16_t *d[kNR], *m[kNR];
-    for (int i = 0; i < kNR; ++i) {
-      codes[i] = w.codes + (n + i) * (K / 2), hb[i] = kFive ? w.hb + (n + i) * (K / 8) : nullptr;
-      d[i] = w.d + (n + i) * G, m[i] = w.m + (n + i) * G;
-    }
+    pointers(NR, n, codes, hb, d, m);
     group_tile<kFive, kNR, decltype(R)::value>(a, r0, codes, hb, d, m, yp + n, N);
   });
   return y;
@@ -476,8 +642,7 @@ at::Tensor int5_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return group_gemm<true>(x, PackedGroups("int5_gemm", codes, &hbits, d, m, x.size(1)), isa);
 }
 
-// x [M, K] float32, q [N, K] int8, s [N] float32 -> [M, N] float32 (module comment). isa is
-// checked like the other kernels' and has one form, AVX2.
+// x [M, K] float32, q [N, K] int8, s [N] float32 -> [M, N] float32 (module comment).
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && s.dim() == 1, "int8_gemm: x [M, K], q [N, K], s [N]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && q.scalar_type() == at::kChar && s.scalar_type() == at::kFloat,
@@ -493,6 +658,16 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   const int8_t* qp = qc.data_ptr<int8_t>();
   const float* sp = sc.data_ptr<float>();
   const QuantizedRows a(xc.data_ptr<float>(), M, K);
+  if (longattn::use_avx512(isa)) {
+    const WideRows wa(a, false);
+    for_tiles<4, true>(M, N, K, K, [&](auto NR, auto R, int64_t r0, int64_t n) {
+      constexpr int kNR = decltype(NR)::value;
+      const int8_t* rows[kNR];
+      for (int i = 0; i < kNR; ++i) rows[i] = qp + (n + i) * K;
+      int8_tile_512<kNR, decltype(R)::value>(a, wa, r0, rows, sp + n, yp + n, N);
+    });
+    return y;
+  }
   for_tiles<4>(M, N, K, K, [&](auto NR, auto R, int64_t r0, int64_t n) {
     constexpr int kNR = decltype(NR)::value;
     const int8_t* rows[kNR];
