@@ -131,11 +131,12 @@ def test_a_failure_inside_one_request_ends_that_request_alone(checkpoint):
     """A batched decode step that fails is run again row by row: only the row that fails
     alone ends (with an error), the others finish with the tokens they get alone."""
     engine = _engine(checkpoint, max_batch=4, chunk=8)
-    poison = []
+    poison = []  # requests whose stream fails every decode step from its first
     model = engine.model
 
     def faulty(tokens, pos, cache=None, **kw):
-        if any(s is p for s in cache.streams for p in poison) and tokens.shape[1] == 1:
+        if any(r.stream is not None and s is r.stream for s in cache.streams for r in poison) \
+                and tokens.shape[1] == 1:
             raise RuntimeError("injected fault")
         return model(tokens, pos, cache=cache, **kw)
 
@@ -147,11 +148,10 @@ def test_a_failure_inside_one_request_ends_that_request_alone(checkpoint):
                         emit=lambda kind, payload, ev=ev: ev.set() if kind != "text" else None)
             reqs.append(r)
             done.append(ev)
+        if bad is not None:  # poisoned before it is submitted: no race with a fast machine
+            poison.append(reqs[bad])
         for r in reqs:
             engine.submit(r)
-        if bad is not None:  # its stream fails every decode step once it exists
-            assert _wait(lambda: reqs[bad].stream is not None)
-            poison.append(reqs[bad].stream)
         assert all(ev.wait(60) for ev in done)
         return reqs
 
