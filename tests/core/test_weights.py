@@ -72,7 +72,7 @@ def test_int8_kernel_matches_exact_reference(rows, K, wide):
     float64 arithmetic on the same rounded inputs; PyTorch's evaluation (the fallback) within K.
     Every row gets the same bits alone as in the batch, whatever its neighbours. For the AVX2
     form and (where the CPU has AVX-512 VNNI; elsewhere the AVX2 form is checked twice) the
-    AVX-512 one, whose odd last group and short block take the AVX2 form's dots."""
+    AVX-512 one, whose odd last group is a masked two-group step."""
     assert native.available()
     isa = "avx512" if wide and native.has_avx512() else "avx2"
     g = torch.Generator().manual_seed(rows * 1000 + K)

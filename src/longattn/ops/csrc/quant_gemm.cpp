@@ -323,8 +323,8 @@ void for_tiles(int64_t M, int64_t N, int64_t K, int64_t row_bytes, const Tile& t
 // groups one instruction covers: vpdpbusd multiplies 64 unsigned bytes by 64 signed bytes and
 // adds each four products into an int32 lane (exact), where AVX2 needs vpmaddubsw + vpmaddwd for
 // 32. Per output element the order is again fixed for every tile shape: a 16-lane float
-// accumulator takes four groups (int4, int5) or two (int8) per step in group order, then its two
-// halves and the last groups' eight-lane sum are added and summed. Its sums differ from the AVX2
+// accumulator takes four groups (int4, int5) or two (int8) per step in group order (a last,
+// shorter step masked), then its two halves are added and summed. Its sums differ from the AVX2
 // form's in the last bits (both within the bound tests/core/test_weights.py derives); a machine
 // runs one form for every call, so a row's bits never depend on its batch.
 #pragma GCC push_options
@@ -377,22 +377,40 @@ inline float finish(__m512 acc) {
   return hsum(_mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1)));
 }
 
+// Groups g .. g + t - 1 (t <= 4) of one weight row as vpdpbusd's unsigned operands: lo holds
+// values 0..15 of each group (one 128-bit lane per group), hi values 16..31. The groups' 64 code
+// bytes are masked into their low and high nibbles; int5's fifth bits of the four groups are two
+// 64-bit masks (one byte shuffle of their four words), each added to its half in one masked
+// byte add. Lanes of groups past t are zero (masked loads).
+template <bool kFive>
+inline void unpack_four(const uint8_t* codes, const uint8_t* hb, int64_t g, int64_t t, __m512i& lo, __m512i& hi) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i c = t == 4 ? _mm512_loadu_si512(codes + g * (kGroup / 2))
+                           : _mm512_maskz_loadu_epi8((1ULL << (16 * t)) - 1, codes + g * (kGroup / 2));
+  lo = _mm512_and_si512(c, low4), hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), low4);
+  if constexpr (kFive) {
+    // the four words' low 16 bits (values 0..15 of each group), then their high 16 bits
+    const __m128i halves = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    const __m512i bit4 = _mm512_set1_epi8(0x10);
+    __m128i w = t == 4 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(hb + 4 * g))
+                       : _mm_maskz_loadu_epi8(static_cast<__mmask16>((1 << (4 * t)) - 1), hb + 4 * g);
+    w = _mm_shuffle_epi8(w, halves);
+    lo = _mm512_mask_add_epi8(lo, static_cast<__mmask64>(_mm_cvtsi128_si64(w)), lo, bit4);
+    hi = _mm512_mask_add_epi8(hi, static_cast<__mmask64>(_mm_extract_epi64(w, 1)), hi, bit4);
+  }
+}
+
 // group_tile's AVX-512 form: weight rows n0 .. n0 + NR - 1 against activation rows r0 .. r0 +
-// R - 1. Four groups per step: their 64 code bytes are masked into low nibbles (values 0..15 of
-// each group, one 128-bit lane each) and high nibbles (16..31); int5's fifth bits of the four
-// groups are two 64-bit masks (one byte shuffle of their four words), each added to its half
-// in one masked byte add. Each half meets its activations in one vpdpbusd; the int32 dots, as
-// float32, times d[g] * dx[g] (lane-wise: the steps WideRows repeats per lane), go into the
-// output's accumulator. A last step of fewer than four groups loads only theirs (masked), so
-// the missing lanes add zero; the offsets' share is group_offsets, as in the AVX2 form.
+// R - 1. Four groups per step (unpack_four), each half meeting its activations in one
+// vpdpbusd; the int32 dots, as float32, times d[g] * dx[g] (lane-wise: the steps WideRows
+// repeats per lane), go into the output's accumulator. A last step of fewer than four groups
+// loads only theirs (masked), so the missing lanes add zero; the offsets' share is
+// group_offsets, as in the AVX2 form.
 template <bool kFive, int NR, int R>
 inline void group_tile_512(const QuantizedRows& a, const WideRows& wa, int64_t r0, const uint8_t* const* codes,
                            const uint8_t* const* hb, const uint16_t* const* d, const uint16_t* const* m, float* y,
                            int64_t ldy) {
   const int64_t G = a.G;
-  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
-  // the four words' low 16 bits (values 0..15 of each group), then their high 16 bits
-  const __m128i halves = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
   const __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   const int8_t* xh[R];
   const float* st[R];
@@ -413,23 +431,10 @@ inline void group_tile_512(const QuantizedRows& a, const WideRows& wa, int64_t r
             _mm_prefetch(reinterpret_cast<const char*>(hb[i] + g * 4 + kPrefetch / 4), _MM_HINT_T0);
     }
     for (int i = 0; i < NR; ++i) {
-      __m512i c;
-      __m128i w, dh;
-      if constexpr (decltype(partial)::value) {
-        c = _mm512_maskz_loadu_epi8((1ULL << (16 * t)) - 1, codes[i] + g * (kGroup / 2));
-        dh = _mm_maskz_loadu_epi16(static_cast<__mmask8>((1 << t) - 1), d[i] + g);
-        if constexpr (kFive) w = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1 << (4 * t)) - 1), hb[i] + 4 * g);
-      } else {
-        c = _mm512_loadu_si512(codes[i] + g * (kGroup / 2));
-        dh = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(d[i] + g));
-        if constexpr (kFive) w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(hb[i] + 4 * g));
-      }
-      lo[i] = _mm512_and_si512(c, low4), hi[i] = _mm512_and_si512(_mm512_srli_epi16(c, 4), low4);
-      if constexpr (kFive) {
-        w = _mm_shuffle_epi8(w, halves);
-        lo[i] = _mm512_mask_add_epi8(lo[i], static_cast<__mmask64>(_mm_cvtsi128_si64(w)), lo[i], bit4);
-        hi[i] = _mm512_mask_add_epi8(hi[i], static_cast<__mmask64>(_mm_extract_epi64(w, 1)), hi[i], bit4);
-      }
+      unpack_four<kFive>(codes[i], hb[i], g, t, lo[i], hi[i]);
+      const __m128i dh = decltype(partial)::value
+                             ? _mm_maskz_loadu_epi16(static_cast<__mmask8>((1 << t) - 1), d[i] + g)
+                             : _mm_loadl_epi64(reinterpret_cast<const __m128i*>(d[i] + g));
       dv[i] = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(_mm_cvtph_ps(dh)));
     }
     for (int i = 0; i < NR; ++i)
@@ -458,26 +463,16 @@ float row_dot_512(const QuantizedRows& a, const WideRows& wa, int64_t r, const u
   const int64_t G = a.G;
   const int8_t* xh = wa.half(r);
   const float *dx = a.step(r), *xs = a.sum(r);
-  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
-  const __m128i halves = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
   const __m512i pick_lo = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   const __m512i pick_hi = _mm512_add_epi32(pick_lo, _mm512_set1_epi32(4));
   __m512 acc = _mm512_setzero_ps();
   __m256 am = _mm256_setzero_ps();
-  auto four = [&](int64_t j, __m512 sc, __m512i c, __m128i w) {  // groups j .. j + 3: codes c, fifth bits w
-    __m512i lo = _mm512_and_si512(c, low4), hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), low4);
-    if constexpr (kFive) {
-      w = _mm_shuffle_epi8(w, halves);
-      lo = _mm512_mask_add_epi8(lo, static_cast<__mmask64>(_mm_cvtsi128_si64(w)), lo, bit4);
-      hi = _mm512_mask_add_epi8(hi, static_cast<__mmask64>(_mm_extract_epi64(w, 1)), hi, bit4);
-    }
+  auto four = [&](int64_t j, int64_t t, __m512 sc) {  // groups j .. j + t - 1, scales sc
+    __m512i lo, hi;
+    unpack_four<kFive>(codes, hb, j, t, lo, hi);
     __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xh + j * kGroup));
     dots = _mm512_dpbusd_epi32(dots, hi, _mm512_loadu_si512(xh + j * kGroup + 64));
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), sc, acc);
-  };
-  auto fifth = [&](int64_t j) {
-    if constexpr (kFive) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(hb + 4 * j));
-    return _mm_setzero_si128();
   };
   int64_t g = 0;
   for (; g + 8 <= G; g += 8) {
@@ -488,20 +483,17 @@ float row_dot_512(const QuantizedRows& a, const WideRows& wa, int64_t r, const u
         _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g))), _mm256_loadu_ps(dx + g)));
     am = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g))),
                          _mm256_loadu_ps(xs + g), am);
-    four(g, _mm512_permutexvar_ps(pick_lo, sc), _mm512_loadu_si512(codes + g * (kGroup / 2)), fifth(g));
-    four(g + 4, _mm512_permutexvar_ps(pick_hi, sc), _mm512_loadu_si512(codes + (g + 4) * (kGroup / 2)), fifth(g + 4));
+    four(g, 4, _mm512_permutexvar_ps(pick_lo, sc));
+    four(g + 4, 4, _mm512_permutexvar_ps(pick_hi, sc));
   }
   float off = hsum(am);  // group_offsets' order: its eight-lane sum, then the last groups one by one
   for (int64_t j = g; j < G; ++j) off = std::fma(_cvtsh_ss(m[j]), xs[j], off);
   for (; g < G; g += 4) {  // the last G % 8 groups: a whole four, then fewer (masked) or none
     const int64_t t = std::min<int64_t>(4, G - g);
     const __mmask8 k = static_cast<__mmask8>((1 << t) - 1);
-    const __m512 sc = _mm512_permutexvar_ps(
-        pick_lo, _mm512_castps128_ps512(_mm_mul_ps(_mm_cvtph_ps(_mm_maskz_loadu_epi16(k, d + g)),
-                                                   _mm_maskz_loadu_ps(static_cast<__mmask8>(k), dx + g))));
-    __m128i w = _mm_setzero_si128();
-    if constexpr (kFive) w = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1 << (4 * t)) - 1), hb + 4 * g);
-    four(g, sc, _mm512_maskz_loadu_epi8(t == 4 ? ~0ULL : (1ULL << (16 * t)) - 1, codes + g * (kGroup / 2)), w);
+    four(g, t, _mm512_permutexvar_ps(pick_lo, _mm512_castps128_ps512(_mm_mul_ps(
+                                                  _mm_cvtph_ps(_mm_maskz_loadu_epi16(k, d + g)),
+                                                  _mm_maskz_loadu_ps(k, dx + g)))));
   }
   return finish(acc) + off;
 }
