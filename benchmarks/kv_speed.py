@@ -29,9 +29,10 @@ from longattn.policy import AttentionPolicy
 from longattn.serve.batching import KV_FORMATS, Engine, EngineConfig, Request
 
 
-def decode_rate(model, tok, policy, ids: list, new: int, kv: str) -> float:
-    """Tokens/s between the first and the last generated token of one request alone."""
-    engine = Engine(model, tok, policy, EngineConfig(kv=kv, retain=0)).start()
+def decode_rate(model, tok, policy, ids: list, new: int, kv: str, **config) -> float:
+    """Tokens/s between the first and the last generated token of one request alone
+    (``config``: more EngineConfig fields)."""
+    engine = Engine(model, tok, policy, EngineConfig(kv=kv, retain=0, **config)).start()
     try:
         stamps, done = [], threading.Event()
 

@@ -402,7 +402,8 @@ def test_the_healthy_stream_beside_the_fuzz_finished_as_alone(fuzz_server):
 def _serve(served_dir, port, *extra, env=None):
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2] / "src"), **(env or {}))
     return subprocess.Popen([sys.executable, "-m", "longattn.cli.main", "serve", "--model", str(served_dir),
-                             "--port", str(port), "--threads", "1", "--block-size", "4", *extra],
+                             "--port", str(port), "--threads", "1", "--block-size", "4", "--compile", "none",
+                             *extra],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True)
 
 

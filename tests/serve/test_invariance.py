@@ -60,15 +60,21 @@ def _serve(model, policy, requests, **cfg) -> list[list[int]]:
         engine.stop()
 
 
-def _alone(model, policy, prompt, n) -> list[int]:
+def _alone(model, policy, prompt, n, step) -> list[int]:
     """The request served alone: one prefill chunk, nothing batched, no prefix cache."""
-    return _serve(model, policy, [(prompt, n)], max_batch=1, chunk=4096, retain=0)[0]
+    return _serve(model, policy, [(prompt, n)], max_batch=1, chunk=4096, retain=0, compile=step)[0]
 
 
+# Both steps keep the contract: "aot" is the compiled paged step (engine/paged_step.py), whose
+# build serves the dense and the windowed policy alike; "none" the eager model.
+STEPS = ["none", "aot"]
+
+
+@pytest.mark.parametrize("step", STEPS)
 @pytest.mark.parametrize("weights", ["int8", "int4", "int5", "f32", "bf16"])
 @pytest.mark.parametrize("policy", ["checkpoint", "window"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_batched_chunked_and_reused_requests_equal_each_alone(tiny_ck, weights, policy, seed):
+def test_batched_chunked_and_reused_requests_equal_each_alone(tiny_ck, weights, policy, seed, step):
     torch.set_num_threads(2)  # rows split across threads too
     model = build_model(tiny_ck.config, tiny_ck.state_dict, weights=weights)
     pol = AttentionPolicy.build(tiny_ck.config, "window", window=6, sinks=2) if policy == "window" else \
@@ -76,10 +82,10 @@ def test_batched_chunked_and_reused_requests_equal_each_alone(tiny_ck, weights, 
     rng = random.Random(seed * 10 + len(weights))
     prompts = [[rng.choice(VOCAB) for _ in range(rng.randint(1, 64))] for _ in range(4)]
     ns = [rng.randint(4, 10) for _ in prompts]
-    cfg = {"chunk": rng.randint(1, 40), "max_batch": rng.randint(2, 4), "retain": 0}
+    cfg = {"chunk": rng.randint(1, 40), "max_batch": rng.randint(2, 4), "retain": 0, "compile": step}
 
     together = _serve(model, pol, list(zip(prompts, ns)), **cfg)
-    assert together == [_alone(model, pol, p, n) for p, n in zip(prompts, ns)]
+    assert together == [_alone(model, pol, p, n, step) for p, n in zip(prompts, ns)]
 
 
 def _conversation(model, policy, turns, **cfg) -> list[list[int]]:
@@ -100,11 +106,12 @@ def _conversation(model, policy, turns, **cfg) -> list[list[int]]:
         engine.stop()
 
 
+@pytest.mark.parametrize("step", STEPS)
 @pytest.mark.parametrize("weights,kv", [("int8", "f32"), ("int4", "f32"), ("int5", "f32"), ("int4", "bf16"),
                                         ("f32", "f32"), ("bf16", "bf16")])
 @pytest.mark.parametrize("policy", ["checkpoint", "window"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_a_turn_that_reuses_a_cached_prefix_equals_the_turn_alone(tiny_ck, weights, kv, policy, seed):
+def test_a_turn_that_reuses_a_cached_prefix_equals_the_turn_alone(tiny_ck, weights, kv, policy, seed, step):
     """A conversation's next turn continues the stream its last turn left (whose reply tokens
     were decode rows) and equals the whole turn prefilled from nothing. The next prompt keeps a
     random part of the reply (a template that re-renders its end), so reuse points vary."""
@@ -118,9 +125,10 @@ def test_a_turn_that_reuses_a_cached_prefix_equals_the_turn_alone(tiny_ck, weigh
     for turn in range(3):
         n = rng.randint(6, 30)
         turns.append((prompt, n))
-        got, hits = _conversation(model, pol, turns, chunk=chunk, rewind=64, kv=kv)
+        got, hits = _conversation(model, pol, turns, chunk=chunk, rewind=64, kv=kv, compile=step)
         reply = got[-1]
-        assert reply == _serve(model, pol, [(prompt, n)], max_batch=1, chunk=4096, retain=0, kv=kv)[0], turn
+        assert reply == _serve(model, pol, [(prompt, n)], max_batch=1, chunk=4096, retain=0, kv=kv,
+                               compile=step)[0], turn
         keep = rng.randint(len(reply) // 2, len(reply))
         prompt = prompt + reply[:keep] + [rng.choice(VOCAB) for _ in range(rng.randint(1, 12))]
     assert hits == 2  # the later turns really continued a cached stream
@@ -162,10 +170,10 @@ def test_a_position_has_the_same_logits_prefilled_in_any_chunk_or_decoded(family
 
 @pytest.mark.real
 def test_the_default_weights_answer_the_same_alone_batched_and_after_reuse():
-    """SmolLM2 on its default weights through the engine with its chat template: four
-    questions each answered alone, then all four at once beside each other, then each again on
-    an engine that keeps its earlier turn (the prompt's prefix is reused): the same greedy text
-    every time."""
+    """SmolLM2 on its default weights through the engine as ``serve`` runs it by default (the
+    compiled step, a bfloat16 pool) with its chat template: four questions each answered alone,
+    then all four at once beside each other, then each again on an engine that keeps its
+    earlier turn (the prompt's prefix is reused): the same greedy text every time."""
     from conftest import real_checkpoint
     from longattn.chat import chat_ids
     from longattn.checkpoint.prepared import prepared_model
@@ -177,7 +185,9 @@ def test_the_default_weights_answer_the_same_alone_batched_and_after_reuse():
     prompts = [chat_ids(ck.tokenizer, [{"role": "user", "content": q}]) for q in questions]
 
     def answers(reqs, **cfg):
-        engine = Engine(model, ck.tokenizer, pol, EngineConfig(**{"block_size": 16, "num_blocks": 2048, **cfg})).start()
+        engine = Engine(model, ck.tokenizer, pol, EngineConfig(**{"block_size": 16, "num_blocks": 2048, "kv": "bf16",
+                                                                  **cfg})).start()
+        assert engine.step_kind == "aot"
         try:
             out = []
             for group in reqs:

@@ -100,7 +100,7 @@ def server(checkpoint):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: a second thread only adds wake-ups
     engine = Engine(model, ck.tokenizer, AttentionPolicy.from_config(ck.config),
-                    EngineConfig(block_size=4, num_blocks=1024, max_batch=3, max_queue=2, chunk=16),
+                    EngineConfig(block_size=4, num_blocks=1024, max_batch=3, max_queue=2, chunk=16, compile="none"),
                     stop_ids=ck.config.eos_token_ids).start()
     url, stop = start_server(engine)
     yield url, engine, ck, model
@@ -337,7 +337,7 @@ def test_gemma3_hybrid_next_turn_reuses_its_prefix(served_dir):
     ck = load_checkpoint(str(d))
     model = build_model(ck.config, ck.state_dict)
     pol = AttentionPolicy.from_config(ck.config)
-    engine = Engine(model, ck.tokenizer, pol, EngineConfig(block_size=4, num_blocks=512, chunk=16)).start()
+    engine = Engine(model, ck.tokenizer, pol, EngineConfig(block_size=4, num_blocks=512, chunk=16, compile="none")).start()
     try:
         first = list(range(3, 43))  # 40 tokens: past the window of 8
         r1 = _ask(engine, first, 12)
@@ -358,7 +358,7 @@ def test_sigterm_drains_in_flight_requests_and_exits(served_dir, tmp_path):
     sock.close()
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2] / "src"))
     proc = subprocess.Popen([sys.executable, "-m", "longattn.cli.main", "serve", "--model", str(served_dir),
-                             "--port", str(port), "--threads", "1", "--block-size", "4"],
+                             "--port", str(port), "--threads", "1", "--block-size", "4", "--compile", "none"],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -414,7 +414,7 @@ def test_cli_refuses_what_it_cannot_serve(capsys):
 def _engine(checkpoint, policy=None, stop_ids=(), **cfg):
     ck, model = checkpoint
     pol = policy or AttentionPolicy.from_config(ck.config)
-    return Engine(model, ck.tokenizer, pol, EngineConfig(**{"block_size": 4, "num_blocks": 512, **cfg}),
+    return Engine(model, ck.tokenizer, pol, EngineConfig(**{"block_size": 4, "num_blocks": 512, "compile": "none", **cfg}),
                   stop_ids=stop_ids).start()
 
 
@@ -539,7 +539,7 @@ def test_next_turn_reuses_its_stream_when_the_pool_is_tight(checkpoint):
     first = list(range(3, 63))
 
     def run(num_blocks):
-        engine = Engine(model, ck.tokenizer, pol, EngineConfig(block_size=4, num_blocks=num_blocks, chunk=16)).start()
+        engine = Engine(model, ck.tokenizer, pol, EngineConfig(block_size=4, num_blocks=num_blocks, chunk=16, compile="none")).start()
         try:
             r1 = _ask(engine, first, 6)
             retained = engine.snapshot()["blocks_retained"]
@@ -565,7 +565,7 @@ def test_next_turn_continues_from_before_where_the_last_ended(checkpoint, rewind
     ck, model = checkpoint
     pol = AttentionPolicy.build(ck.config, "window", window=8, sinks=2)
     engine = Engine(model, ck.tokenizer, pol, EngineConfig(block_size=4, num_blocks=1024, chunk=16,
-                                                           rewind=rewind)).start()
+                                                           rewind=rewind, compile="none")).start()
     try:
         first = list(range(3, 63))
         r1 = _ask(engine, first, 8)
@@ -589,7 +589,7 @@ def test_the_default_pool_holds_a_conversation_filling_the_context(monkeypatch):
     ck = load_checkpoint(tiny_dir("llama", max_position_embeddings=40000), with_tokenizer=False)
     model = build_model(ck.config, ck.state_dict)
     pol = AttentionPolicy.from_config(ck.config)
-    engine = Engine(model, None, pol, EngineConfig(block_size=4))
+    engine = Engine(model, None, pol, EngineConfig(block_size=4, compile="none"))
     one = engine.blocks_needed(pol, ck.config.max_context - 1, 1)
     assert one > batching.AUTO_MIN_BLOCKS and engine.pool.num_blocks == one
     assert engine.pool.used == 0 and torch.equal(engine.pool.k[:, :4], torch.zeros_like(engine.pool.k[:, :4]))
@@ -597,8 +597,8 @@ def test_the_default_pool_holds_a_conversation_filling_the_context(monkeypatch):
     assert engine.pool.k[:, b * 4:(b + 1) * 4].abs().sum() == 0
     bytes_per_block = engine.pool.block_bytes
     monkeypatch.setattr(batching, "available_memory", lambda: 2 * 1000 * bytes_per_block)
-    assert Engine(model, None, pol, EngineConfig(block_size=4)).pool.num_blocks == 1000
+    assert Engine(model, None, pol, EngineConfig(block_size=4, compile="none")).pool.num_blocks == 1000
     small = load_checkpoint(tiny_dir("llama", max_position_embeddings=CONTEXT), with_tokenizer=False)
     monkeypatch.setattr(batching, "available_memory", lambda: None)
     assert Engine(build_model(small.config, small.state_dict), None, AttentionPolicy.from_config(small.config),
-                  EngineConfig(block_size=4)).pool.num_blocks == batching.AUTO_MIN_BLOCKS
+                  EngineConfig(block_size=4, compile="none")).pool.num_blocks == batching.AUTO_MIN_BLOCKS

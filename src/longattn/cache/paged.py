@@ -162,6 +162,19 @@ class PagedStream:
         return True
 
 
+    def free_out_of_window(self, layer: int, end: int, pool: BlockPool) -> None:
+        """Give back the blocks of ``layer`` that no query from ``end`` on reads (windowed
+        layers; sink blocks and the ``rewind`` margin stay)."""
+        w, s = self.windows[layer], self.sinks[layer]
+        if w is None:
+            return
+        bs, lo = pool.block_size, end - w + 1 - self.rewind  # first position kept: the next
+        # query reads from end - w + 1; rewind more are kept to continue from further back
+        table = self.tables[layer]
+        for j in [j for j in table if (j + 1) * bs <= lo and j * bs >= s]:
+            pool.release(table.pop(j))
+
+
 def blocks_bound(window: Optional[int], sinks: int, tokens: int, chunk: int, block_size: int,
                  rewind: int = 0) -> int:
     """Most blocks one layer of a stream holds at once while storing ``tokens`` positions
@@ -215,7 +228,7 @@ class PagedLayerCache(LayerCache):
         pool.v[:, slots_t] = vv.to(pool.dtype)
         k_all, v_all, k_pos = self._view(ends)
         for st, end in zip(self.streams, ends):
-            self._free_out_of_window(st, end)
+            st.free_out_of_window(self.layer, end, pool)
         return k_all, v_all, k_pos
 
     def _view(self, ends: list):
@@ -241,16 +254,6 @@ class PagedLayerCache(LayerCache):
             self.kpos_memo[key] = kpos
         k, v = (PagedRows(t.unsqueeze(0), phys, bs, n) for t in (self.pool.k, self.pool.v))
         return k, v, kpos
-
-    def _free_out_of_window(self, st: PagedStream, end: int) -> None:
-        w, s = st.windows[self.layer], st.sinks[self.layer]
-        if w is None:
-            return
-        bs, lo = self.pool.block_size, end - w + 1 - st.rewind  # first position kept: the next
-        # query reads from end - w + 1; rewind more are kept to continue from further back
-        table = st.tables[self.layer]
-        for j in [j for j in table if (j + 1) * bs <= lo and j * bs >= s]:
-            self.pool.release(table.pop(j))
 
     def nbytes(self) -> int:
         return sum(len(st.tables[self.layer]) for st in self.streams) * self.pool.block_bytes
@@ -282,3 +285,90 @@ class PagedKVCache(KVCache):
         super().advance(pos)
         for st, n in zip(self.streams, self.next_pos.tolist()):
             st.next_pos = n
+
+
+@dataclass
+class RowBatch:
+    """The host side of one compiled paged step (engine/paged_step.py): every token is a row
+    that carries its own stream's block table, so decode rows of many streams and a prefill
+    chunk's rows share one call, and each row is computed the same way whatever shares it.
+
+    ``R`` rows, streams in order, each stream's tokens in position order:
+    tokens, pos: int64 ``[R]``.
+    slots: per layer, int64 ``[R]``: the pool row each token's key and value are stored in.
+    tables: per layer, int64 ``[R, NB]``: the row's stream's blocks in position order (padding
+        names block 0, never read).
+    kpos: per group of layers with one window and sinks, int64 ``[R, NB * block_size]``: the
+        position each table slot holds (-1: empty or past the stream's end).
+    ends: per stream, its ``next_pos`` once the step has run.
+    """
+
+    tokens: torch.Tensor
+    pos: torch.Tensor
+    slots: list
+    tables: list
+    kpos: list
+    ends: list
+
+    @property
+    def rows(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def plan_rows(pool: BlockPool, streams: list, segments: list, groups: list) -> RowBatch:
+    """Allocate the blocks a step stores into and lay out its inputs.
+
+    Args:
+        pool: the BlockPool. streams: PagedStreams, one per segment.
+        segments: per stream ``(start, tokens)``: the token ids stored at positions
+            ``start ..`` (``start`` is the stream's ``next_pos``).
+        groups: lists of layers that share a window and sinks (they hold the same logical
+            blocks, so one key-position tensor serves them).
+    Returns:
+        a RowBatch; ``finish_rows`` records it once the step has run.
+    """
+    bs = pool.block_size
+    counts = [len(toks) for _, toks in segments]
+    for st, (start, _) in zip(streams, segments):
+        if start != st.next_pos:
+            raise LongattnError(f"a stream at position {st.next_pos} was asked to store from {start}")
+    rep = torch.tensor(counts, dtype=torch.int64)
+    same = all(c == 1 for c in counts)  # decode rows only: one row per stream, nothing to repeat
+
+    def per_row(t: torch.Tensor) -> torch.Tensor:
+        return t if same else t.repeat_interleave(rep, 0)
+
+    ends = [start + n for (start, _), n in zip(segments, counts)]
+    num_layers = sum(len(g) for g in groups)
+    slots, tables, kpos = [None] * num_layers, [None] * num_layers, []
+    for layers in groups:
+        for layer in layers:
+            slot, phys = [], []
+            for st, (start, _), end in zip(streams, segments, ends):
+                table = st.tables[layer]
+                for j in range(start // bs, (end - 1) // bs + 1):
+                    if j not in table:
+                        table[j] = pool.alloc()
+                slot.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                phys.append(list(table.values()))
+            nb = max(len(r) for r in phys)
+            tables[layer] = per_row(torch.tensor([r + [0] * (nb - len(r)) for r in phys], dtype=torch.int64))
+            slots[layer] = torch.tensor(slot, dtype=torch.int64)
+        logical = [list(st.tables[layers[0]]) for st in streams]
+        nb = max(len(r) for r in logical)
+        lg = torch.tensor([r + [-1] * (nb - len(r)) for r in logical], dtype=torch.int64)  # [B, NB]
+        kp = (lg[:, :, None] * bs + torch.arange(bs)).reshape(len(streams), nb * bs)
+        ok = (lg >= 0).repeat_interleave(bs, 1) & (kp < torch.tensor(ends)[:, None])
+        kpos.append(per_row(torch.where(ok, kp, -1)))
+    tokens = torch.tensor([t for _, toks in segments for t in toks], dtype=torch.int64)
+    pos = torch.tensor([p for (start, _), n in zip(segments, counts) for p in range(start, start + n)],
+                       dtype=torch.int64)
+    return RowBatch(tokens, pos, slots, tables, kpos, ends)
+
+
+def finish_rows(pool: BlockPool, streams: list, batch: RowBatch) -> None:
+    """After a step over ``batch`` ran: advance each stream and free what its windows left."""
+    for st, end in zip(streams, batch.ends):
+        st.next_pos = end
+        for layer in range(len(st.tables)):
+            st.free_out_of_window(layer, end, pool)

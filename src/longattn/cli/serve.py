@@ -37,6 +37,10 @@ def add_parser(sub) -> None:
                    help="how the pool stores keys and values: bf16 holds twice the tokens in the same "
                         "memory at a measured cost of at most 0.004 bits/token on the bundled models "
                         "(docs/benchmarks.md); f32 is the reference")
+    p.add_argument("--compile", choices=["aot", "none"], default="aot",
+                   help="aot (default): the step built ahead of time (once per model, weights, KV format "
+                        "and machine, about a minute; any window and sinks) runs every decode row and "
+                        "prefill chunk; none: the eager model (the reference)")
     p.add_argument("--max-batch", type=int, default=16, help="requests decoding at once")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for KV blocks before the server answers 429")
@@ -86,7 +90,8 @@ def run(args) -> int:
         raise LongattnError(f"--drain-timeout must be a finite number of seconds >= 0, got {args.drain_timeout}")
     config = EngineConfig(block_size=args.block_size, num_blocks=args.kv_blocks, max_batch=args.max_batch,
                           max_queue=args.max_queue, chunk=args.prefill_chunk, retain=args.prefix_cache,
-                          rewind=args.prefix_rewind, timeout=args.request_timeout, kv=args.kv)
+                          rewind=args.prefix_rewind, timeout=args.request_timeout, kv=args.kv,
+                          compile=args.compile)
     api_key = args.api_key if args.api_key is not None else os.environ.get("LONGATTN_API_KEY") or None
     options = ServeOptions(api_key=api_key, max_body=args.max_body, max_prompt_tokens=args.max_prompt_tokens,
                            allowed_hosts=(LOOPBACK_HOSTS | {h.lower() for h in args.allow_host})
@@ -108,7 +113,8 @@ def run(args) -> int:
     app = create_app(engine, args.served_name or ck.name, options)
     blocks = engine.pool.num_blocks
     print(f"-- serving {ck.name} on http://{args.host}:{args.port}/v1 ({blocks} KV blocks of "
-          f"{config.block_size} tokens, {engine.pool.block_bytes * blocks / 2**20:.0f} MiB"
+          f"{config.block_size} tokens, {engine.pool.block_bytes * blocks / 2**20:.0f} MiB, "
+          f"{'compiled' if engine.step_kind == 'aot' else 'eager'} step"
           f"{', API key required' if api_key else ''})", file=sys.stderr, flush=True)
     # uvicorn turns SIGTERM/SIGINT into a graceful shutdown: no new connections, requests in
     # flight finish, then the app's lifespan stops the engine. Afterwards it raises the signal

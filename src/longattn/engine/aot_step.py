@@ -196,17 +196,17 @@ def _open_package(path: Path):
         return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
 
 
-def _build(decoder, entry: Path, progress: bool) -> None:
+def _build(module: torch.nn.Module, example_inputs: tuple, dynamic_shapes, entry: Path, progress: bool,
+           what: str = "decode step", per: str = "model, format, policy and machine") -> None:
+    """Export ``module`` on ``example_inputs`` and compile it into the package at ``entry``."""
     if progress:
-        print("-- building the ahead-of-time decode step (once per model, format, policy and machine; "
-              "under a minute)", file=sys.stderr, flush=True)
+        print(f"-- building the ahead-of-time {what} (once per {per}; about a minute)", file=sys.stderr, flush=True)
     import torch._inductor  # only a build needs inductor (loading does not import it)
     import torch.export
     t0 = time.perf_counter()
     try:
         with torch.no_grad(), _quiet(), _private_inductor_cache():
-            ep = torch.export.export(_ExportedStep(decoder), _example_inputs(decoder),
-                                     dynamic_shapes=_dynamic_shapes(decoder), strict=False)
+            ep = torch.export.export(module, example_inputs, dynamic_shapes=dynamic_shapes, strict=False)
             with atomic_dir(entry, complete=_complete) as tmp:
                 torch._inductor.aoti_compile_and_package(
                     ep, package_path=str(tmp / STEP_FILE),
@@ -220,6 +220,39 @@ def _build(decoder, entry: Path, progress: bool) -> None:
         print(f"-- built in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
 
 
+def load_package(model: torch.nn.Module, key: str, build, progress: bool = True):
+    """The C++ loader of the cached package ``key``, built first by ``build(entry, progress)``
+    where it is missing or damaged, with ``model``'s own tensors bound as its constants
+    (user-managed: no copy; they must outlive the loader).
+
+    The exported module must hold ``model`` as its attribute ``model``: the package names its
+    constants "model.<attribute path>"."""
+    if not native.available():
+        raise LongattnError("the ahead-of-time step calls longattn's native kernels, which are not "
+                            "built here (or --reference is set); use --compile or the eager path")
+    entry = cache_root() / "steps" / key
+    if _complete(entry) and not entry_intact(entry, _files):
+        warnings.warn(f"ahead-of-time step {entry} is damaged (checksum mismatch); building it again",
+                      stacklevel=3)
+        discard_entry(entry)
+    if not _complete(entry):
+        build(entry, progress)
+    hold = hold_entry(entry)
+    if hold is None:  # a --clear-cache took it out since: build it again
+        build(entry, progress)
+        hold = hold_entry(entry)
+    with hold or contextlib.nullcontext():  # clear-cache keeps it while the library is mapped
+        loader = _open_package(entry / STEP_FILE)
+    tensors = {f: _resolve(model, f) for f in loader.get_constant_fqns()}
+    missing = [f for f, t in tensors.items() if not isinstance(t, torch.Tensor)]
+    if missing:
+        raise LongattnError(f"the ahead-of-time step {entry} expects tensors the model lacks: {missing[:3]}")
+    # user-managed: the package reads the model's tensors in place (they must outlive it);
+    # then: not the inactive buffer, check that every constant is set, no copy to a device
+    loader.load_constants({f: t.detach() for f, t in tensors.items()}, False, True, True, False)
+    return loader
+
+
 class AOTStep:
     """A loaded package bound to ``decoder``'s model: ``self(tokens, pos) -> (logits [B, V],
     per group the stacked (k, v) of the step)``, like ``StaticDecoder._step_eager``.
@@ -231,32 +264,11 @@ class AOTStep:
     """
 
     def __init__(self, decoder, key: str | None = None, progress: bool = True):
-        if not native.available():
-            raise LongattnError("the ahead-of-time step calls longattn's native kernels, which are not "
-                                "built here (or --reference is set); use --compile or the eager path")
         self.decoder = decoder
         self.key = step_key(decoder) if key is None else key
-        entry = cache_root() / "steps" / self.key
-        if _complete(entry) and not entry_intact(entry, _files):
-            warnings.warn(f"ahead-of-time step {entry} is damaged (checksum mismatch); building it again",
-                          stacklevel=2)
-            discard_entry(entry)
-        if not _complete(entry):
-            _build(decoder, entry, progress)
-        self.path = entry / STEP_FILE
-        hold = hold_entry(entry)
-        if hold is None:  # a --clear-cache took it out since: build it again
-            _build(decoder, entry, progress)
-            hold = hold_entry(entry)
-        with hold or contextlib.nullcontext():  # clear-cache keeps it while the library is mapped
-            self.loader = _open_package(self.path)
-        tensors = {f: _resolve(decoder.model, f) for f in self.loader.get_constant_fqns()}
-        missing = [f for f, t in tensors.items() if not isinstance(t, torch.Tensor)]
-        if missing:
-            raise LongattnError(f"the ahead-of-time step {entry} expects tensors the model lacks: {missing[:3]}")
-        # user-managed: the package reads the model's tensors in place (they must outlive it);
-        # then: not the inactive buffer, check that every constant is set, no copy to a device
-        self.loader.load_constants({f: t.detach() for f, t in tensors.items()}, False, True, True, False)
+        self.path = cache_root() / "steps" / self.key / STEP_FILE
+        self.loader = load_package(decoder.model, self.key, lambda entry, progress: _build(
+            _ExportedStep(decoder), _example_inputs(decoder), _dynamic_shapes(decoder), entry, progress), progress)
 
     def __call__(self, tokens: torch.Tensor, pos: torch.Tensor):
         kv = self.decoder.kv

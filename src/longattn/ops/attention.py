@@ -155,7 +155,7 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 def paged_rows_attention(q, q_pos, k: PagedRows, v: PagedRows, k_pos, window, sinks, scale, sink_logits=None,
-                         softcap=None):
+                         softcap=None, window_sinks: Optional[torch.Tensor] = None):
     """Every query of ``q [B, H, Tq, D]`` as one row of the fused decode kernel over a paged
     cache read in place -> ``[B, H, Tq, D]``.
 
@@ -164,6 +164,8 @@ def paged_rows_attention(q, q_pos, k: PagedRows, v: PagedRows, k_pos, window, si
     bits whether it was prefilled or decoded, in any chunk: a conversation that continues a
     cached prefix (its last reply decoded) computes what the whole conversation prefilled
     computes. Its cost is the work of causal attention read row by row instead of as a matmul.
+    ``window_sinks``: int64 ``[2]`` taking the place of ``window`` and ``sinks`` (a compiled
+    step's runtime data).
     """
     B, H, Tq, D = q.shape
     rows = q.transpose(1, 2).reshape(B * Tq, H, 1, D)
@@ -172,7 +174,7 @@ def paged_rows_attention(q, q_pos, k: PagedRows, v: PagedRows, k_pos, window, si
     none = q.new_empty(B * Tq, k.pool.shape[1], 0, D)  # the pool already holds every key
     y = torch.ops.longattn_cpu.decode_attention(rows, k.pool, v.pool, kp, q_pos.reshape(B * Tq, 1), none, none,
                                                 window or 0, sinks, float(scale), sink_logits, table, k.block_size,
-                                                -1, float(softcap or 0.0))
+                                                -1, float(softcap or 0.0), window_sinks)
     return y.view(B, Tq, H, D).transpose(1, 2) if Tq > 1 else y
 
 

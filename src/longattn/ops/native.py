@@ -140,8 +140,12 @@ def _build() -> bool:
 
     @torch.library.register_fake("longattn_cpu::decode_attention")
     def _(q, k, v, k_pos, q_pos, k_new, v_new, window, sinks, scale, sink_logits=None, block_table=None,
-          block_size=0, isa=-1, softcap=0.0):
+          block_size=0, isa=-1, softcap=0.0, window_sinks=None):
         return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("longattn_cpu::paged_store")
+    def _(k_pool, v_pool, slots, k, v):
+        return None
     return True
 
 

@@ -2,9 +2,16 @@
 
 Each loop iteration, at a step boundary: cancelled requests leave (their blocks go back to
 the pool at once), queued requests are admitted while the pool can hold them, every
-decoding request advances one token in one batched step per attention policy, and one
-prefill chunk of one admitted request runs, so a long prompt never stalls the others for
-more than a chunk.
+decoding request advances one token and one prefill chunk of one admitted request runs, so a
+long prompt never stalls the others for more than a chunk.
+
+The step: by default the compiled paged step (engine/paged_step.py), built ahead of time for the
+server's policy, runs the decode rows of every request under that policy and the prefill chunk
+in one call; requests with their own window or sinks, and every request where the step cannot be
+built (``EngineConfig.compile="none"``, no native kernels, a rope that follows the sequence
+length), run the eager model, one batched decode step per policy and then the chunk. Each path
+computes a row the same way whatever shares its step (the invariance contract), so a request's
+greedy tokens do not depend on who else is served.
 
 Admission reserves, per request, the most blocks it can ever hold
 (``cache.paged.blocks_bound`` over its layers for ``prompt + max_tokens`` positions): the
@@ -32,7 +39,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..cache.paged import BlockPool, PagedKVCache, PagedStream, blocks_bound
+from ..cache.paged import BlockPool, PagedKVCache, PagedStream, blocks_bound, finish_rows, plan_rows
 from ..engine.sampling import SamplingConfig, sample
 from ..engine.session import recompute_length
 from ..errors import LongattnError, check_int
@@ -46,6 +53,7 @@ MAX_POLICIES = 32
 # the pool's storage formats: keys and values rounded to this when stored (bf16: half the bytes;
 # the fused kernel widens each row exactly as it reads it)
 KV_FORMATS = {"f32": torch.float32, "bf16": torch.bfloat16}
+STEP_KINDS = ("aot", "none")
 # the automatic pool's floor (many short conversations) and its share of the memory available
 AUTO_MIN_BLOCKS = 4096
 AUTO_MEMORY_SHARE = 0.5
@@ -89,6 +97,7 @@ class EngineConfig:
     rewind: int = 64            # positions a windowed layer keeps beyond its window (PagedStream)
     timeout: float = 0.0        # seconds a request may take from submission (0 = no limit)
     kv: str = "f32"             # the pool's format: "f32" or "bf16" (KV_FORMATS)
+    compile: str = "aot"        # "aot": the compiled paged step where it runs; "none": the eager model
 
     def __post_init__(self):
         check_int("--block-size", self.block_size, minimum=1)
@@ -98,6 +107,8 @@ class EngineConfig:
         check_int("--prefill-chunk", self.chunk, minimum=1)
         check_int("--prefix-cache", self.retain, minimum=0)
         check_int("--prefix-rewind", self.rewind, minimum=0)
+        if self.compile not in STEP_KINDS:
+            raise LongattnError(f"--compile must be one of {', '.join(STEP_KINDS)}, got {self.compile!r}")
         if self.kv not in KV_FORMATS:
             raise LongattnError(f"--kv must be one of {', '.join(KV_FORMATS)}, got {self.kv!r}")
         if not (isinstance(self.timeout, (int, float)) and 0 <= self.timeout < float("inf")):
@@ -159,11 +170,18 @@ class Metrics:
         self.step_seconds = 0.0
         self.last_step_seconds = 0.0
         self.decode_batch = 0       # rows of the latest batched decode step
+        self.compiled_steps = 0     # steps the compiled paged step ran
         self.peak_decode_batch = 0
 
 
 class Engine:
     """Continuous batching over a paged KV pool.
+
+    Make and run it from threads other than one that runs PyTorch ops of its own (as
+    ``longattn serve`` does, cli/serve.py): each thread that runs a parallel region keeps an
+    OpenMP team, and with more team threads than cores every parallel region of the engine's
+    step wakes its workers from sleep (measured: a SmolLM2 decode step 27 ms instead of 9 ms on
+    2 cores when the main thread had read the checkpoint).
 
     Args:
         model: a Transformer. tokenizer: its tokenizer (decodes the output text).
@@ -185,6 +203,7 @@ class Engine:
         if config.num_blocks is None:
             config = self.config = dataclasses.replace(config, num_blocks=self.auto_blocks(policy, kv_dtype))
         self.pool = BlockPool(config.num_blocks, config.block_size, self.cfg.num_kv_heads, self.cfg.head_dim, kv_dtype)
+        self.paged = self._compiled_step(policy) if config.compile == "aot" else None
         self.metrics = Metrics()
         self._cv = threading.Condition()
         self._inbox: list = []
@@ -201,6 +220,25 @@ class Engine:
         self._ids = itertools.count()
         self._keys = itertools.count()
         self._thread: Optional[threading.Thread] = None
+
+    def _compiled_step(self, policy: AttentionPolicy):
+        """The compiled paged step for the server's policy (loaded, or built once), or None with
+        the reason logged where it cannot run here (the eager model serves instead)."""
+        from ..engine.aot_step import AOTBuildError
+        from ..engine.paged_step import PagedStep, unsupported
+        why = unsupported(self.model, policy)
+        if why is None:
+            try:
+                return PagedStep(self.model, policy, self.pool)
+            except AOTBuildError as e:
+                why = e.reason
+        log.warning("serving with the eager step (slower): the compiled step cannot run here: %s", why)
+        return None
+
+    @property
+    def step_kind(self) -> str:
+        """"aot" when the server's policy runs the compiled paged step, else "eager"."""
+        return "aot" if self.paged is not None else "eager"
 
     def auto_blocks(self, policy: AttentionPolicy, dtype) -> int:
         """The pool's default size: one conversation that fills the model's trained context
@@ -313,7 +351,7 @@ class Engine:
             return {"queue": len(self.waiting) + len(self._inbox), "running": len(self.running),
                     "blocks_used": self.pool.used, "blocks_free": self.pool.free,
                     "blocks_retained": sum(s.blocks() for _, _, s in self.retained.values()),
-                    "alive": self._thread is not None and self._thread.is_alive()}
+                    "alive": self._thread is not None and self._thread.is_alive(), "step": self.step_kind}
 
     # ------------------------------------------------------------------ the engine thread
 
@@ -356,8 +394,7 @@ class Engine:
                 self._drop(cancel)
                 self._expire()
                 self._admit()
-                self._decode()
-                self._prefill()
+                self._step()
             except Exception as e:  # outside any one request's step: fail those in flight, keep serving
                 log.exception("engine step failed")
                 for r in list(self.running):
@@ -445,26 +482,85 @@ class Engine:
         self.metrics.prefix_tokens += n
         return st
 
-    def _decode(self) -> None:
-        groups: dict = {}
+    def _step(self) -> None:
+        """Every decoding request's next token and one prefill chunk, one call per policy: the
+        compiled step where it serves the policy, else the eager model."""
+        pre = next((r for r in self.running if r.pending is None and r.finish_reason is None), None)
+        by_key: dict = {}
         for r in self.running:
             if r.pending is not None:
-                groups.setdefault(r.policy_key, []).append(r)
-        for key, rs in groups.items():
-            self.metrics.decode_batch = len(rs)
-            self.metrics.peak_decode_batch = max(self.metrics.peak_decode_batch, len(rs))
-            try:
-                logits = self._decode_rows(rs)                         # [B, V]
-            except Exception:
-                # Which row failed is unknown: each runs again alone, so a failure ends its own
-                # request only. Re-running is safe: a failed step moved no stream's next_pos, so
-                # its writes land in the same slots again.
-                log.exception("batched decode step failed; running its rows one by one")
-                for r in rs:
-                    self._guarded(r, lambda r=r: self._feed_and_take(r, self._decode_rows([r])))
+                by_key.setdefault(r.policy_key, []).append(r)
+        if pre is not None:
+            by_key.setdefault(pre.policy_key, [])
+        for key, dec in by_key.items():
+            chunk = pre if pre is not None and pre.policy_key == key else None
+            policy = (dec[0] if dec else chunk).policy
+            if self.paged is not None and self.paged.serves(policy):
+                self._compiled(dec, chunk, policy)
                 continue
-            for b, r in enumerate(rs):
-                self._guarded(r, lambda r=r, b=b: self._feed_and_take(r, logits[b:b + 1]))
+            if dec:
+                self._decode(dec)
+            if chunk is not None:
+                self._guarded(chunk, lambda: self._prefill_chunk(chunk))
+
+    def _compiled(self, dec: list, pre: Optional[Request], policy: AttentionPolicy) -> None:
+        """``_compiled_rows``; where it fails, each request's part again alone, so a failure
+        ends its own request only. Re-running is safe: a failed step moved no stream's
+        ``next_pos``, so its writes land in the same slots again."""
+        try:
+            self._compiled_rows(dec, pre, policy)
+        except Exception:
+            log.exception("compiled step failed; running its requests one by one")
+            for r in dec:
+                if r.pending is not None and r.finish_reason is None:
+                    self._guarded(r, lambda r=r: self._compiled_rows([r], None, policy))
+            if pre is not None and pre.finish_reason is None:
+                self._guarded(pre, lambda: self._compiled_rows([], pre, policy))
+
+    def _compiled_rows(self, dec: list, pre: Optional[Request], policy: AttentionPolicy) -> None:
+        """One compiled step: the pending token of each request of ``dec`` and the next prefill
+        chunk of ``pre`` (or None), all under ``policy``."""
+        streams = [r.stream for r in dec]
+        segments = [(r.stream.next_pos, [r.pending]) for r in dec]
+        part: list = []
+        if pre is not None:
+            start = len(pre.fed)
+            part = pre.prompt[start:start + self.config.chunk]
+            streams.append(pre.stream)
+            segments.append((start, part))
+        completes = pre is not None and len(pre.fed) + len(part) == len(pre.prompt)
+        batch = plan_rows(self.pool, streams, segments, self.paged.groups)
+        # rows whose logits are wanted: each decode row, and a chunk's last row if it ends the prompt
+        sel = list(range(len(dec))) + [batch.rows - 1] if completes or not dec else list(range(len(dec)))
+        logits = self.paged(batch, torch.tensor(sel, dtype=torch.int64), policy)  # [S, V]
+        finish_rows(self.pool, streams, batch)
+        self.metrics.compiled_steps += 1
+        if dec:
+            self.metrics.decode_batch = len(dec)
+            self.metrics.peak_decode_batch = max(self.metrics.peak_decode_batch, len(dec))
+        for b, r in enumerate(dec):
+            self._guarded(r, lambda r=r, b=b: self._feed_and_take(r, logits[b:b + 1]))
+        if pre is not None:
+            pre.fed.extend(part)
+            if completes:
+                self._guarded(pre, lambda: self._take(pre, logits[-1:]))
+
+    def _decode(self, rs: list) -> None:
+        """One eager batched decode step over ``rs`` (one policy, a pending token each)."""
+        self.metrics.decode_batch = len(rs)
+        self.metrics.peak_decode_batch = max(self.metrics.peak_decode_batch, len(rs))
+        try:
+            logits = self._decode_rows(rs)                         # [B, V]
+        except Exception:
+            # Which row failed is unknown: each runs again alone, so a failure ends its own
+            # request only. Re-running is safe: a failed step moved no stream's next_pos, so
+            # its writes land in the same slots again.
+            log.exception("batched decode step failed; running its rows one by one")
+            for r in rs:
+                self._guarded(r, lambda r=r: self._feed_and_take(r, self._decode_rows([r])))
+            return
+        for b, r in enumerate(rs):
+            self._guarded(r, lambda r=r, b=b: self._feed_and_take(r, logits[b:b + 1]))
 
     def _decode_rows(self, rs: list) -> torch.Tensor:
         """One decode step over the requests ``rs`` (one pending token each) -> logits [B, V]."""
@@ -485,11 +581,6 @@ class Engine:
         except Exception as e:
             log.exception("request %s failed", r.id)
             self._finish(r, error=f"internal error: {type(e).__name__}: {e}")
-
-    def _prefill(self) -> None:
-        r = next((r for r in self.running if r.pending is None and r.finish_reason is None), None)
-        if r is not None:
-            self._guarded(r, lambda: self._prefill_chunk(r))
 
     def _prefill_chunk(self, r: Request) -> None:
         start = len(r.fed)

@@ -166,7 +166,15 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const at::Tensor& v_new, int64_t window, int64_t sinks, double scale,
                             const std::optional<at::Tensor>& sink_logits,
                             const std::optional<at::Tensor>& block_table, int64_t block_size, int64_t isa,
-                            double softcap) {
+                            double softcap, const std::optional<at::Tensor>& window_sinks) {
+  // window and sinks as data: a compiled step reads them from its inputs, so one build serves
+  // every window and sinks (int64 [2], overriding the two integer arguments)
+  if (window_sinks.has_value()) {
+    const at::Tensor ws = window_sinks->contiguous();
+    TORCH_CHECK(ws.scalar_type() == at::kLong && ws.numel() == 2, "decode_attention: window_sinks is int64 [2]");
+    window = ws.data_ptr<int64_t>()[0];
+    sinks = ws.data_ptr<int64_t>()[1];
+  }
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k_new.dim() == 4 && v_new.dim() == 4,
               "decode_attention: q [B, H, 1, D], k/v [B, Hkv, S, D], k_new/v_new [B, Hkv, 1, D]");
   for (const auto* t : {&q, &k_new, &v_new})
@@ -440,7 +448,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 TORCH_LIBRARY_FRAGMENT(longattn_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor k_pos, Tensor q_pos, Tensor k_new, "
         "Tensor v_new, int window, int sinks, float scale, Tensor? sink_logits=None, Tensor? block_table=None, "
-        "int block_size=0, int isa=-1, float softcap=0.0) -> Tensor");
+        "int block_size=0, int isa=-1, float softcap=0.0, Tensor? window_sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(longattn_cpu, CPU, m) {

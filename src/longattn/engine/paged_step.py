@@ -1,0 +1,223 @@
+"""The serving engine's step, built ahead of time: every token a row over the paged pool.
+
+One call runs any mix of rows: each decoding stream's next token, a prefill chunk's tokens, or
+both. Each row carries its own stream's block table and key positions (``cache.paged.RowBatch``),
+stores its key and value in the pool (``longattn_cpu::paged_store``, declared as mutating the
+pool, so the write is one call on the pool's memory) and then reads its stream's slots with the
+fused decode kernel, whose ``pos_k <= pos_q`` test is the causal mask inside a chunk. Every
+weight product runs longattn's row-invariant kernels and every other operation of the graph works
+row by row, so a row's logits are the same bits however many rows share the call, which streams
+they come from, and how a prompt was cut into chunks: the server's invariance contract holds on
+the compiled step as on the eager one (tests/serve/test_paged_step.py).
+
+Each layer's window and sinks are inputs of the step (``window_table``), so one build serves
+every policy whose layers fall into the same groups (``layer_groups``: layers sharing a window and
+sinks share one key-position tensor): a dense and a windowed policy, any window, any sinks, and
+a request's own window beside the server's. The package is exported once per model structure,
+weight format, grouping, block size and pool format (``paged_key``), with the row count, the
+pool's size and the table widths as symbols, and cached beside the static decode step's
+(engine/aot_step.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import torch
+
+from ..cache.base import KVView
+from ..cache.paged import BlockPool, RowBatch
+from ..errors import LongattnError
+from ..ops import native
+from ..ops.attention import PagedRows, paged_rows_attention
+from ..policy import AttentionPolicy
+from .aot_step import _build, load_package
+
+PAGED_VERSION = "1"  # bump when the exported step's inputs, outputs or structure change
+
+
+def _window_sinks(lp) -> tuple:
+    """A window layer's (window, sinks) as the kernels take them (0: no window)."""
+    return (lp.window or 0, lp.sinks if lp.window else 0)
+
+
+def layer_groups(policy: AttentionPolicy) -> list:
+    """Layers grouped by (window, sinks) in first-seen order: a group's layers hold the same
+    logical blocks of a stream, so they share one key-position tensor."""
+    keys, groups = [], []
+    for layer, lp in enumerate(policy.layers):
+        key = _window_sinks(lp)
+        if key not in keys:
+            keys.append(key)
+            groups.append([])
+        groups[keys.index(key)].append(layer)
+    return groups
+
+
+def window_table(policy: AttentionPolicy) -> torch.Tensor:
+    """int64 ``[L, 2]``: each layer's window (0: none) and sinks, the step's runtime data."""
+    return torch.tensor([_window_sinks(lp) for lp in policy.layers], dtype=torch.int64)
+
+
+def unsupported(model, policy: AttentionPolicy):
+    """Why the compiled paged step cannot run ``model`` under ``policy`` (None: it can)."""
+    if not native.available():
+        return "the native kernels are not built here"
+    kinds = {lp.kind for lp in policy.layers}
+    if kinds != {"window"}:
+        return f"it runs window and dense layers only, not {sorted(kinds - {'window'})}"
+    if model.activation_dtype != torch.float32:
+        return "it runs float32 activations only"
+    if any(layer.self_attn.rope_varies for layer in model.model.layers):
+        return "this model's rope frequencies follow the sequence length (dynamic or long rope)"
+    return None
+
+
+def paged_key(model, policy: AttentionPolicy, block_size: int, pool_dtype) -> str:
+    """Cache key of the compiled paged step: what its generated code depends on (the policy's
+    grouping of layers, not its windows and sinks, which are inputs)."""
+    parts = {"paged": PAGED_VERSION, "config": dataclasses.asdict(model.config), "weights": model.weights,
+             "groups": layer_groups(policy), "block_size": block_size,
+             "pool": str(pool_dtype), "torch": torch.__version__, "kernels": native.build_tag(),
+             "cpu": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class _RowsKV:
+    """The cache the traced step talks to: layer ``l`` stores its rows at ``slots[l]`` and reads
+    the pool through ``tables[l]`` and its group's ``kpos``."""
+
+    def __init__(self, pool_k, pool_v, slots, tables, kpos, group_of, block_size):
+        self.pool_k, self.pool_v = pool_k, pool_v
+        self.slots, self.tables, self.kpos, self.group_of, self.bs = slots, tables, kpos, group_of, block_size
+
+    def update(self, layer: int, k, v, pos) -> KVView:
+        """Store ``k, v [R, Hkv, 1, D]``; return the pool read in place."""
+        torch.ops.longattn_cpu.paged_store(self.pool_k, self.pool_v, self.slots[layer], k[:, :, 0], v[:, :, 0])
+        kpos = self.kpos[self.group_of[layer]]
+        n = kpos.shape[1]
+        kr = PagedRows(self.pool_k.unsqueeze(0), self.tables[layer], self.bs, n)
+        vr = PagedRows(self.pool_v.unsqueeze(0), self.tables[layer], self.bs, n)
+        return KVView(kr, vr, kpos, k, v, None, None)
+
+    def advance(self, pos) -> None:
+        """The engine advances its streams on the host (``cache.paged.finish_rows``)."""
+
+
+class _RowsOp:
+    """One layer's attention: each row over its stream's slots, the window and sinks read from
+    ``ws`` (int64 [2], an input of the step)."""
+
+    learned_sinks = True
+
+    def __init__(self, ws):
+        self.ws = ws
+
+    def __call__(self, q, q_pos, view, scale, softcap=None, sink_logits=None):
+        return paged_rows_attention(q, q_pos, view.k, view.v, view.positions, None, 0, scale, sink_logits,
+                                    softcap, self.ws)
+
+
+class _RowsPolicy:
+    def __init__(self, ws: torch.Tensor):
+        self.ops = [_RowsOp(ws[i]) for i in range(ws.shape[0])]
+
+    def op(self, i: int):
+        return self.ops[i]
+
+
+class _ExportedRows(torch.nn.Module):
+    """``forward(tokens [R], pos [R], sel [S], ws [L, 2], pool_k, pool_v, *slots, *tables, *kpos)
+    -> logits [S, V]`` (``sel``: the rows whose logits are wanted; ``ws``: ``window_table``)."""
+
+    def __init__(self, model, policy: AttentionPolicy, block_size: int):
+        super().__init__()
+        self.model = model  # its parameters and buffers are the package's constants
+        self.groups = layer_groups(policy)
+        self.group_of = [0] * len(policy.layers)
+        for g, layers in enumerate(self.groups):
+            for layer in layers:
+                self.group_of[layer] = g
+        self.block_size = block_size
+
+    def forward(self, tokens, pos, sel, ws, pool_k, pool_v, *rest):
+        L = len(self.group_of)
+        kv = _RowsKV(pool_k, pool_v, rest[:L], rest[L:2 * L], rest[2 * L:], self.group_of, self.block_size)
+        forward = type(self.model).forward.__wrapped__  # without inference_mode: export traces it
+        h = forward(self.model, tokens[:, None], pos[:, None], cache=kv, policy=_RowsPolicy(ws), logits="none")
+        x = self.model.model.norm(h[:, 0].index_select(0, sel))
+        out = self.model.head(x)
+        cap = self.model.config.final_softcap
+        return cap * torch.tanh(out / cap) if cap else out
+
+
+def _example(model, policy: AttentionPolicy, pool: BlockPool) -> tuple:
+    """Example inputs of distinct sizes (a size of 0 or 1, or two equal sizes, would be
+    specialized by export)."""
+    cfg, bs = model.config, pool.block_size
+    R, S, P, nb = 5, 2, 11 * bs, 3
+    groups = layer_groups(policy)
+    group_of = {layer: g for g, layers in enumerate(groups) for layer in layers}
+    k = torch.zeros(cfg.num_kv_heads, P, cfg.head_dim, dtype=pool.dtype)
+    slots = [torch.arange(R, dtype=torch.int64) for _ in policy.layers]
+    tables = [torch.zeros(R, nb + group_of[layer], dtype=torch.int64) for layer in range(len(policy.layers))]
+    kpos = [torch.full((R, (nb + g) * bs), -1, dtype=torch.int64) for g in range(len(groups))]
+    return (torch.zeros(R, dtype=torch.int64), torch.arange(R, dtype=torch.int64),
+            torch.arange(S, dtype=torch.int64), window_table(policy), k, torch.zeros_like(k), *slots, *tables, *kpos)
+
+
+def _dynamic_shapes(policy: AttentionPolicy) -> tuple:
+    groups = layer_groups(policy)
+    rows, sel = torch.export.Dim("rows", min=1, max=1 << 20), torch.export.Dim("sel", min=1, max=1 << 20)
+    slots = torch.export.Dim("pool", min=2, max=1 << 40)
+    nb = [torch.export.Dim(f"nb{g}", min=1, max=1 << 30) for g in range(len(groups))]
+    n = [torch.export.Dim(f"n{g}", min=1, max=1 << 34) for g in range(len(groups))]
+    group_of = {layer: g for g, layers in enumerate(groups) for layer in layers}
+    L = len(policy.layers)
+    rest = ([{0: rows}] * L + [{0: rows, 1: nb[group_of[layer]]} for layer in range(L)]
+            + [{0: rows, 1: n[g]} for g in range(len(groups))])
+    return ({0: rows}, {0: rows}, {0: sel}, None, {1: slots}, {1: slots}, tuple(rest))
+
+
+class PagedStep:
+    """The compiled paged step of ``model`` over ``pool`` for the policies grouped as ``policy``:
+    ``self(batch: RowBatch, sel [S], policy) -> logits [S, V]`` (stores the batch's keys in the
+    pool; ``policy``: any policy ``serves`` accepts).
+
+    Raises:
+        LongattnError: the model or policy is one it cannot run (``unsupported``).
+        AOTBuildError: the package could not be built here.
+    """
+
+    def __init__(self, model, policy: AttentionPolicy, pool: BlockPool, progress: bool = True):
+        why = unsupported(model, policy)
+        if why is not None:
+            raise LongattnError(f"the compiled paged step cannot run here: {why}")
+        self.model, self.policy, self.pool = model, policy, pool
+        self.groups = layer_groups(policy)
+        self.key = paged_key(model, policy, pool.block_size, pool.dtype)
+        self._tables: dict = {}  # (window, sinks) per layer -> its window_table
+
+        def build(entry, progress):
+            module = _ExportedRows(model, policy, pool.block_size)
+            _build(module, _example(model, policy, pool), _dynamic_shapes(policy), entry, progress,
+                   what="serving step", per="model, format, KV format and machine")
+
+        self.loader = load_package(model, self.key, build, progress)
+
+    def serves(self, policy: AttentionPolicy) -> bool:
+        """Whether ``policy`` runs on this build: window layers grouped as the build's."""
+        return all(lp.kind == "window" for lp in policy.layers) and layer_groups(policy) == self.groups
+
+    def __call__(self, batch: RowBatch, sel: torch.Tensor, policy: AttentionPolicy) -> torch.Tensor:
+        key = tuple(_window_sinks(lp) for lp in policy.layers)
+        ws = self._tables.get(key)
+        if ws is None:
+            if len(self._tables) >= 64:  # bounded: requests may bring their own windows
+                self._tables.clear()
+            ws = self._tables[key] = window_table(policy)
+        inputs = [batch.tokens, batch.pos, sel, ws, self.pool.k, self.pool.v, *batch.slots, *batch.tables,
+                  *batch.kpos]
+        return self.loader.boxed_run(inputs)[0]
