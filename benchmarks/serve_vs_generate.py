@@ -4,15 +4,20 @@ same held-out prompt, arms alternated, each measurement in a fresh process.
     python benchmarks/serve_vs_generate.py --threads 2 [--model smollm2-135m] [--tokens 512] [--new 64] [--rounds 5]
 
 Arms (each a fresh process per round, so no arm inherits another's threads or caches):
-  generate     the decode path `longattn generate` takes by default: eager prefill, then the
-               static step built ahead of time (engine/static_step.py, engine/aot_step.py);
+  generate     the decode path `longattn generate` takes by default: eager prefill loaded into
+               a bfloat16 paged pool, then the server's compiled step (engine/paged_step.py,
+               PagedDecoder);
+  generate-static  the same prefill, then the fixed-shape step built ahead of time for the
+               policy (engine/static_step.py, engine/aot_step.py; what `generate` takes for
+               models the paged step cannot run);
   serve        the serving engine as `longattn serve` runs it by default: the compiled paged step
                (engine/paged_step.py) over a bfloat16 pool, the model and engine made and driven off the
                main thread as the CLI does;
   serve-eager  the same engine with `--compile none` (the eager model over the same pool).
 Each arm decodes ``--new`` greedy tokens after a ``--tokens``-token book passage (one passage per
 round, taken from the bundled books) and reports tokens/s from its first to its last generated
-token. Prints each arm's median and the ratios serve / generate and serve / serve-eager; writes
+token. Prints each arm's median and the ratios serve / generate, serve / serve-eager and
+generate / generate-static; writes
 benchmarks/results/serve_vs_generate.json. Packages are built (once) before the first round.
 """
 
@@ -29,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-ARMS = ("generate", "serve", "serve-eager")
+ARMS = ("generate", "generate-static", "serve", "serve-eager")
 
 
 def rate(stamps: list) -> float:
@@ -38,12 +43,15 @@ def rate(stamps: list) -> float:
     return (n1 - n0) / (t1 - t0)
 
 
-def run_generate(ck, model, ids: list, new: int) -> float:
+def run_generate(ck, model, ids: list, new: int, static: bool) -> float:
+    from longattn.engine.paged_step import PagedDecoder
     from longattn.engine.sampling import SamplingConfig
     from longattn.engine.session import generate
     from longattn.engine.static_step import StaticDecoder
     from longattn.policy import AttentionPolicy
-    session = StaticDecoder(model, AttentionPolicy.from_config(ck.config), max_len=len(ids) + new, compile="aot")
+    policy, max_len = AttentionPolicy.from_config(ck.config), len(ids) + new
+    session = StaticDecoder(model, policy, max_len=max_len, compile="aot") if static else \
+        PagedDecoder(model, policy, max_len=max_len, kv_dtype=torch.bfloat16)
     stamps: list = []
     generate(session, [ids], new, SamplingConfig(), stop_ids=set(),
              on_token=lambda b, t: stamps.append((time.perf_counter(), len(stamps) + 1)))
@@ -77,11 +85,12 @@ def one_arm(args) -> None:
     """The child: one measurement of ``args.arm``, printed as JSON."""
     torch.set_num_threads(args.threads)
     ids = json.loads(Path(args.ids).read_text())
-    if args.arm == "generate":  # on the main thread, as `longattn generate` runs
+    if args.arm.startswith("generate"):  # on the main thread, as `longattn generate` runs
         from longattn.checkpoint import load_checkpoint
         from longattn.checkpoint.prepared import prepared_model
         ck = load_checkpoint(args.model, progress=False, read_weights=False)
-        tps = run_generate(ck, prepared_model(ck, "auto", progress=False), ids, args.new)
+        tps = run_generate(ck, prepared_model(ck, "auto", progress=False), ids, args.new,
+                           static=args.arm == "generate-static")
     else:
         tps = run_serve(args.model, ids, args.new, "aot" if args.arm == "serve" else "none")
     print(json.dumps({"arm": args.arm, "tok_s": tps}))
@@ -128,10 +137,11 @@ def main() -> int:
                 print(f"round {r} {arm:12s} {rates[arm][-1]:.1f} tok/s", flush=True)
     med = {a: statistics.median(v) for a, v in rates.items()}
     ratios = {"serve_over_generate": med["serve"] / med["generate"],
-              "serve_over_serve_eager": med["serve"] / med["serve-eager"]}
+              "serve_over_serve_eager": med["serve"] / med["serve-eager"],
+              "generate_over_generate_static": med["generate"] / med["generate-static"]}
     print("median tok/s: " + ", ".join(f"{a} {v:.1f}" for a, v in med.items()))
-    print("serve / generate %.3f, serve / serve-eager %.3f" % (ratios["serve_over_generate"],
-                                                              ratios["serve_over_serve_eager"]))
+    print("serve / generate %.3f, serve / serve-eager %.3f, generate / generate-static %.3f"
+          % (ratios["serve_over_generate"], ratios["serve_over_serve_eager"], ratios["generate_over_generate_static"]))
     print("wrote", write_result(args.out, {"model": args.model, "prompt_tokens": args.tokens, "new_tokens": args.new,
                                            "threads": args.threads, "rounds": rates, "median_tok_s": med,
                                            **ratios}))

@@ -158,6 +158,8 @@ def test_generate_runs_the_ahead_of_time_step_and_the_files_int4_by_default(tmp_
         runs[flags] = json.loads(r.stdout.strip().splitlines()[-1])
     steps = [run["step"] for run in runs.values()]
     assert steps == ["aot", "eager", "eager"]  # sparse layers have no ahead-of-time step
+    # the compiled (paged) step's pool stores bfloat16 by default; the eager step float32
+    assert [run["kv"] for run in runs.values()] == ["bf16", "f32", "f32"]
     assert {run["weights"] for run in runs.values()} == {"int4+int8:embed,lm_head"}
 
 

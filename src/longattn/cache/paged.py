@@ -34,6 +34,11 @@ from ..ops.attention import PagedRows
 from .base import KVCache, LayerCache
 
 
+# the pool's storage formats: keys and values rounded to this when stored (bf16: half the bytes;
+# the fused kernel widens each row exactly as it reads it)
+KV_FORMATS = {"f32": torch.float32, "bf16": torch.bfloat16}
+
+
 class PoolExhausted(LongattnError):
     """The pool has no free block (admission control should have prevented it)."""
 
@@ -92,6 +97,48 @@ class BlockPool:
         self._free.append(block)
 
 
+class BlockTable(dict):
+    """One layer's logical block -> physical block of a stream, in position order. ``version``
+    changes with every change, so what is derived from the table (its blocks and positions as
+    tensors, ``phys`` and ``positions``) is made again only when it changed: a decode step
+    allocates a block once every ``block_size`` tokens."""
+
+    __slots__ = ("version", "_phys", "_positions")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.version, self._phys, self._positions = 0, None, None
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self.version += 1
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        self.version += 1
+
+    def pop(self, *args):
+        self.version += 1
+        return super().pop(*args)
+
+    def clear(self):
+        self.version += 1
+        super().clear()
+
+    def phys(self) -> torch.Tensor:
+        """int64 ``[NB]``: the physical blocks in position order."""
+        if self._phys is None or self._phys[0] != self.version:
+            self._phys = (self.version, torch.tensor(list(self.values()), dtype=torch.int64))
+        return self._phys[1]
+
+    def positions(self, block_size: int) -> torch.Tensor:
+        """int64 ``[NB * block_size]``: the position each slot of the blocks stands for."""
+        if self._positions is None or self._positions[0] != self.version:
+            logical = torch.tensor(list(self), dtype=torch.int64)
+            self._positions = (self.version, (logical[:, None] * block_size + torch.arange(block_size)).reshape(-1))
+        return self._positions[1]
+
+
 @dataclass
 class PagedStream:
     """One stream's pages: per layer, logical block -> physical block (in position order).
@@ -112,8 +159,7 @@ class PagedStream:
     rewind: int = 0
 
     def __post_init__(self):
-        if not self.tables:
-            self.tables = [dict() for _ in self.windows]
+        self.tables = [BlockTable(t) for t in self.tables] if self.tables else [BlockTable() for _ in self.windows]
 
     @classmethod
     def for_policy(cls, policy, rewind: int = 0) -> "PagedStream":
@@ -343,27 +389,33 @@ def plan_rows(pool: BlockPool, streams: list, segments: list, groups: list) -> R
     slots, tables, kpos = [None] * num_layers, [None] * num_layers, []
     for layers in groups:
         for layer in layers:
-            slot, phys = [], []
+            slot = []
             for st, (start, _), end in zip(streams, segments, ends):
                 table = st.tables[layer]
                 for j in range(start // bs, (end - 1) // bs + 1):
                     if j not in table:
                         table[j] = pool.alloc()
                 slot.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-                phys.append(list(table.values()))
-            nb = max(len(r) for r in phys)
-            tables[layer] = per_row(torch.tensor([r + [0] * (nb - len(r)) for r in phys], dtype=torch.int64))
-            slots[layer] = torch.tensor(slot, dtype=torch.int64)
-        logical = [list(st.tables[layers[0]]) for st in streams]
-        nb = max(len(r) for r in logical)
-        lg = torch.tensor([r + [-1] * (nb - len(r)) for r in logical], dtype=torch.int64)  # [B, NB]
-        kp = (lg[:, :, None] * bs + torch.arange(bs)).reshape(len(streams), nb * bs)
-        ok = (lg >= 0).repeat_interleave(bs, 1) & (kp < torch.tensor(ends)[:, None])
-        kpos.append(per_row(torch.where(ok, kp, -1)))
+            tables[layer] = per_row(_padded([st.tables[layer].phys() for st in streams], 0))
+            slots[layer] = slot
+        kp = _padded([st.tables[layers[0]].positions(bs) for st in streams], -1)  # [B, NB * bs]
+        kpos.append(per_row(torch.where(kp < torch.tensor(ends)[:, None], kp, -1)))
+    slots = list(torch.tensor(slots, dtype=torch.int64).unbind(0))  # one conversion for every layer
     tokens = torch.tensor([t for _, toks in segments for t in toks], dtype=torch.int64)
     pos = torch.tensor([p for (start, _), n in zip(segments, counts) for p in range(start, start + n)],
                        dtype=torch.int64)
     return RowBatch(tokens, pos, slots, tables, kpos, ends)
+
+
+def _padded(rows: list, fill: int) -> torch.Tensor:
+    """1-D int64 tensors -> ``[len(rows), longest]``, the shorter ones padded with ``fill``."""
+    if len(rows) == 1:
+        return rows[0][None]
+    n = max(r.shape[0] for r in rows)
+    out = torch.full((len(rows), n), fill, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        out[i, :r.shape[0]] = r
+    return out
 
 
 def finish_rows(pool: BlockPool, streams: list, batch: RowBatch) -> None:

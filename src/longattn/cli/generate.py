@@ -31,11 +31,16 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk size (tokens)")
     p.add_argument("--compile", nargs="?", const="jit", choices=["auto", "aot", "jit", "none"], default="auto",
-                   help="the decode step: aot loads a fixed-shape step built ahead of time from the cache "
-                        "(built there on first use: about half a minute per model, format, policy and "
-                        "machine); jit (the value when none is given) compiles it with torch.compile in "
-                        "this run; none decodes eagerly (the reference); auto is aot where it can run "
-                        "(longattn's native kernels, window and dense layers) and none elsewhere")
+                   help="the decode step: aot decodes with the server's step built ahead of time and "
+                        "cached (built there on first use: about a minute per model, format and machine; "
+                        "any window and sinks); jit (the value when none is given) compiles a fixed-shape "
+                        "step with torch.compile in this run; none decodes eagerly (the reference); auto "
+                        "is aot where it can run (longattn's native kernels, window and dense layers) and "
+                        "none elsewhere")
+    p.add_argument("--kv", choices=["f32", "bf16"], default=None,
+                   help="how the compiled step's KV pool stores keys and values: bf16 (its default: half "
+                        "the bytes, measured within 0.004 bits/token of f32 on the bundled models) or f32 "
+                        "(the reference); the eager and torch.compile steps store f32 only")
     add_policy_args(p, auto=True)
     p.add_argument("--sparse-calibrate", action="store_true", default=argparse.SUPPRESS,
                    help="sparse: calibrate the taus in this run's first decode steps (run exactly) "
@@ -91,6 +96,9 @@ def run(args) -> int:
         raise LongattnError("--policy auto never calibrates (it engages SCSA only with taus kept by an "
                             "earlier run); calibrate with --policy sparse --sparse-calibrate")
     from ..ops import native
+    if args.kv == "bf16" and args.compile in ("none", "jit"):
+        raise LongattnError(f"--kv bf16 is a format of the compiled step's KV pool; --compile {args.compile} "
+                            "stores f32 (drop --kv, or use --compile aot)")
     if args.compile == "aot":  # refused here, before anything is read or built
         if args.policy in ("sparse", "auto"):
             raise LongattnError("--compile aot runs window and dense layers only; use --compile for --policy "
@@ -124,20 +132,32 @@ def run(args) -> int:
         policy, auto = taus.resolve_auto(ck.config, len(ids), args.max_new_tokens)
         print(f"-- policy auto: {auto.reason}", file=sys.stderr, flush=True)
     load_s = time.perf_counter() - t_load
+    kv = "f32"  # the eager and fixed-shape steps store float32 keys and values
     if args.compile != "none":
         from ..engine.static_step import StaticDecoder
         max_len = len(ids) + max(args.max_new_tokens, 1)
         if args.compile == "aot":
             from ..engine.aot_step import AOTBuildError
+            from ..engine.paged_step import PagedDecoder, unsupported
+            from ..cache.paged import KV_FORMATS
             try:
-                session = StaticDecoder(model, policy, max_len=max_len, compile="aot")
+                # the server's step (windows are its inputs); a model it cannot run (a rope that
+                # follows the sequence length) takes the fixed-shape step built for its policy
+                why = unsupported(model, policy)
+                if why is not None and args.kv == "bf16":
+                    raise LongattnError(f"--kv bf16 needs the compiled paged step, which cannot run here: {why}")
+                if why is None:
+                    kv = args.kv or "bf16"
+                    session = PagedDecoder(model, policy, max_len=max_len, kv_dtype=KV_FORMATS[kv])
+                else:
+                    session = StaticDecoder(model, policy, max_len=max_len, compile="aot")
             except AOTBuildError as e:
-                if not chosen:  # asked for by name: refused in one line
+                if not chosen or args.kv == "bf16":  # asked for by name: refused in one line
                     raise
                 # the default: the same answer from the eager step, a little slower
                 print(f"-- the ahead-of-time decode step could not be built ({e.reason}); decoding with "
                       "the eager step", file=sys.stderr, flush=True)
-                args.compile = "none"
+                args.compile, kv = "none", "f32"
                 session = Session(model, policy)
         else:
             session = StaticDecoder(model, policy, max_len=max_len, compile=True)
@@ -168,6 +188,7 @@ def run(args) -> int:
                "prefill_tok_s": round(pps, 2), "decode_tok_s": round(tps, 2),
                "cache_bytes": res.cache_bytes, "threads": args.threads, "weights": model.weights,
                "kernels": kernels, "compiled": args.compile != "none",
+               "kv": kv,
                "step": "eager" if args.compile == "none" else args.compile,
                "load_s": round(load_s, 3),
                "prefill_s": round(res.prefill_seconds, 3), "decode_s": round(res.decode_seconds, 3),

@@ -28,7 +28,7 @@ import json
 import torch
 
 from ..cache.base import KVView
-from ..cache.paged import BlockPool, RowBatch
+from ..cache.paged import BlockPool, BlockTable, RowBatch
 from ..errors import LongattnError
 from ..ops import native
 from ..ops.attention import PagedRows, paged_rows_attention
@@ -221,3 +221,105 @@ class PagedStep:
         inputs = [batch.tokens, batch.pos, sel, ws, self.pool.k, self.pool.v, *batch.slots, *batch.tables,
                   *batch.kpos]
         return self.loader.boxed_run(inputs)[0]
+
+
+class PagedDecoder:
+    """A program's own streams on the compiled paged step: prefill eagerly (chunked, with the
+    banded and causal kernels where they pay), load the caches into a paged pool, then decode
+    with the server's step. ``generate`` runs this way by default: its windows and sinks are
+    inputs of the step, so a window it has never used builds nothing.
+
+    The interface ``engine.session.generate`` drives: ``prefill(prompts, chunk, logits)``,
+    ``step(tokens [B], active [B]) -> logits [B, V]``, ``batch``, ``cache.nbytes()``.
+
+    Args:
+        model: a Transformer. policy: window/dense layers (default: the checkpoint's windows).
+        batch: streams. max_len: most positions a stream reaches (sizes the pool; its pages
+            cost memory only once used). block_size: token slots per block. kv_dtype: the pool's.
+        progress: a line on stderr while the step is built.
+    Raises:
+        LongattnError: where the step cannot run (``unsupported``).
+    """
+
+    def __init__(self, model, policy: AttentionPolicy | None = None, batch: int = 1, max_len: int = 4096,
+                 block_size: int = 16, kv_dtype=torch.float32, progress: bool = True):
+        from ..cache.paged import PagedStream, blocks_bound
+        from .session import Session
+        self.model, self.batch = model, batch
+        self.policy = policy or AttentionPolicy.from_config(model.config)
+        why = unsupported(model, self.policy)
+        if why is not None:
+            raise LongattnError(f"the compiled paged step cannot run here: {why}")
+        cfg = model.config
+        per_stream = sum(blocks_bound(lp.window or None, lp.sinks if lp.window else 0, max_len, 1, block_size) + 1
+                         for lp in self.policy.layers)
+        self.pool = BlockPool(batch * per_stream + 1, block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+        self.paged = PagedStep(model, self.policy, self.pool, progress)
+        self.session = Session(model, self.policy, batch=batch)
+        self.streams = [PagedStream.for_policy(self.policy) for _ in range(batch)]
+        self.cache = _PoolUse(self.pool, self.streams)
+
+    def prefill(self, prompts, chunk: int = 512, logits: str = "last") -> torch.Tensor:
+        """Eager chunked prefill (``Session.prefill``), then the caches into the pool."""
+        out = self.session.prefill(prompts, chunk=chunk, logits=logits)
+        with torch.no_grad():
+            self._load(self.session.cache)
+        self.session = None  # its cache is in the pool now
+        return out
+
+    def _load(self, cache) -> None:
+        """Store what each layer of ``cache`` holds that a later query reads (a windowed
+        layer's sinks and last ``window`` positions; everything on global layers) in the pool."""
+        bs = self.pool.block_size
+        ends = [int(n) for n in cache.next_pos.tolist()]
+        for layer, lc in enumerate(cache.layers):
+            k, v, pos = lc.view()  # [B, Hkv, N, D], [B, N]
+            lp = self.policy.layers[layer]
+            for b, st in enumerate(self.streams):
+                p = pos[b]
+                keep = p >= 0
+                if lp.window:
+                    keep &= (p < lp.sinks) | (p > ends[b] - 1 - lp.window)
+                idx = keep.nonzero().squeeze(1)
+                table, slots = st.tables[layer], []
+                for q in p[idx].tolist():
+                    if q // bs not in table:
+                        table[q // bs] = self.pool.alloc()
+                    slots.append(table[q // bs] * bs + q % bs)
+                slots_t = torch.tensor(slots, dtype=torch.int64)
+                self.pool.k[:, slots_t] = k[b][:, idx].to(self.pool.dtype)
+                self.pool.v[:, slots_t] = v[b][:, idx].to(self.pool.dtype)
+                # blocks must follow position order: a ring's slots may not
+                st.tables[layer] = BlockTable(sorted(table.items()))
+        for st, end in zip(self.streams, ends):
+            st.next_pos = end
+            for layer in range(len(st.tables)):
+                st.free_out_of_window(layer, end, self.pool)
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode one token per active stream: ``tokens [B]`` -> logits ``[B, V]`` (inactive
+        streams keep their position; their rows are zeros)."""
+        from ..cache.paged import finish_rows, plan_rows
+        live = [b for b in range(self.batch) if active is None or bool(active[b])]
+        streams = [self.streams[b] for b in live]
+        toks = tokens.tolist()
+        batch = plan_rows(self.pool, streams, [(self.streams[b].next_pos, [int(toks[b])]) for b in live],
+                          self.paged.groups)
+        logits = self.paged(batch, torch.arange(len(live)), self.policy)
+        finish_rows(self.pool, streams, batch)
+        if len(live) == self.batch:
+            return logits
+        out = logits.new_zeros(self.batch, logits.shape[1])
+        out[live] = logits
+        return out
+
+
+class _PoolUse:
+    """``nbytes()``: the bytes of the blocks a PagedDecoder's streams hold."""
+
+    def __init__(self, pool: BlockPool, streams: list):
+        self.pool, self.streams = pool, streams
+
+    def nbytes(self) -> int:
+        return sum(st.blocks() for st in self.streams) * self.pool.block_bytes

@@ -39,7 +39,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..cache.paged import BlockPool, PagedKVCache, PagedStream, blocks_bound, finish_rows, plan_rows
+from ..cache.paged import KV_FORMATS, BlockPool, PagedKVCache, PagedStream, blocks_bound, finish_rows, plan_rows
 from ..engine.sampling import SamplingConfig, sample
 from ..engine.session import recompute_length
 from ..errors import LongattnError, check_int
@@ -50,9 +50,6 @@ log = logging.getLogger("longattn.serve")
 
 # distinct per-request policies remembered (each holds its own mask memo)
 MAX_POLICIES = 32
-# the pool's storage formats: keys and values rounded to this when stored (bf16: half the bytes;
-# the fused kernel widens each row exactly as it reads it)
-KV_FORMATS = {"f32": torch.float32, "bf16": torch.bfloat16}
 STEP_KINDS = ("aot", "none")
 # the automatic pool's floor (many short conversations) and its share of the memory available
 AUTO_MIN_BLOCKS = 4096

@@ -1,0 +1,60 @@
+"""`generate`'s default decode (engine/paged_step.py, PagedDecoder): eager prefill loaded into a
+paged pool, then the server's compiled step. It agrees with float64 within the derived tolerance
+on dense, windowed (ring caches loaded) and hybrid policies, batched streams with one inactive,
+and a window it has never used loads the package it already has.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_formats
+from longattn.engine.paged_step import PagedDecoder, paged_key
+from longattn.engine.session import Session
+from longattn.ops import native
+from longattn.policy import AttentionPolicy
+from tolerance import LOGIT_FLOOR, assert_within_derived
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the compiled step calls the native kernels")
+
+
+def _teacher_forced(session, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Logits ``[B, T - prefill + 1, V]``: after the prefill, then after each later token fed."""
+    outs = [session.prefill(ids[:, :prefill].tolist())[:, 0]]
+    for t in range(prefill, ids.shape[1]):
+        outs.append(session.step(ids[:, t]))
+    return torch.stack(outs, dim=1)
+
+
+@pytest.mark.parametrize("family,weights", [("llama", "int8"), ("llama", "f32"), ("gemma2", "int4")])
+@pytest.mark.parametrize("policy", ["checkpoint", "window"])
+def test_paged_decoder_is_within_the_derived_tolerance_of_float64(family, weights, policy):
+    torch.set_num_threads(2)
+    model, ref = tiny_formats(family, weights)
+    cfg = model.config
+    pol = AttentionPolicy.build(cfg, "window", window=6, sinks=2) if policy == "window" else \
+        AttentionPolicy.from_config(cfg)
+    ids = torch.randint(3, 96, (2, 40), generator=torch.Generator().manual_seed(5))
+    fast = _teacher_forced(PagedDecoder(model, pol, batch=2, max_len=64, progress=False), ids, 24)
+    plain = _teacher_forced(Session(model, pol, batch=2), ids, 24)
+    with torch.no_grad():
+        want = ref(ids, policy=pol)[:, 23:]
+    assert_within_derived(fast, plain, want, LOGIT_FLOOR, "paged decoder")
+
+
+def test_an_inactive_stream_keeps_its_place_and_a_new_window_needs_no_build():
+    torch.set_num_threads(2)
+    model, _ = tiny_formats("llama", "int8")
+    cfg = model.config
+    ids = torch.randint(3, 96, (2, 30), generator=torch.Generator().manual_seed(1))
+    dec = PagedDecoder(model, batch=2, max_len=64, progress=False)
+    dec.prefill(ids[:, :20].tolist())
+    full = PagedDecoder(model, batch=2, max_len=64, progress=False)  # both streams always active
+    full.prefill(ids[:, :20].tolist())
+    for t in range(20, 30):
+        some = dec.step(ids[:, t], active=torch.tensor([True, t % 2 == 0]))
+        assert torch.equal(some[0], full.step(ids[:, t])[0])  # a row's bits do not depend on the others
+    assert dec.streams[1].next_pos == 25 and dec.streams[0].next_pos == 30
+    window = AttentionPolicy.build(cfg, "window", window=7, sinks=3)
+    assert paged_key(model, window, 16, torch.float32) == dec.paged.key
