@@ -13,16 +13,13 @@ length), run the eager model, one batched decode step per policy and then the ch
 computes a row the same way whatever shares its step (the invariance contract), so a request's
 greedy tokens do not depend on who else is served.
 
-Admission reserves, per request, the most blocks it can ever hold
-(``cache.paged.blocks_bound`` over its layers for ``prompt + max_tokens`` positions): the
-running requests never exhaust the pool, and a request the pool cannot hold waits in a
-bounded queue (``QueueFull`` beyond it: the HTTP layer answers 429).
-
-Prefix reuse: a finished request's stream stays in the pool (least recently used first
-out, evicted when admission needs its blocks) keyed by the tokens it stored. A new request
-with the same policy whose prompt shares a prefix with it takes the stream over, cut back to
-the shared length when the layers still hold what a query there reads (``PagedStream.truncate``),
-and prefills only the rest. docs/serve.md says which prefix lengths stay reusable.
+Admission and prefix reuse are the scheduler's (engine/scheduler.py): a request reserves the
+most blocks it can ever hold (``cache.paged.blocks_bound`` over its layers for
+``prompt + max_tokens`` positions), so the running requests never exhaust the pool; a request
+the pool cannot hold yet waits in a bounded queue (``QueueFull`` beyond it: the HTTP layer
+answers 429); a finished request's stream stays in the pool for a later prompt that shares its
+prefix. docs/serve.md says which prefix lengths stay reusable. This module owns the thread, the
+requests' text (detokenizing, stop strings) and the steps.
 """
 
 from __future__ import annotations
@@ -33,7 +30,6 @@ import logging
 import threading
 import time
 from array import array
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -41,6 +37,7 @@ import torch
 
 from ..cache.paged import KV_FORMATS, BlockPool, PagedKVCache, PagedStream, blocks_bound, finish_rows, plan_rows
 from ..engine.sampling import SamplingConfig, sample
+from ..engine.scheduler import Scheduler
 from ..engine.session import recompute_length
 from ..errors import LongattnError, check_int
 from ..policy import AttentionPolicy
@@ -207,13 +204,9 @@ class Engine:
         self._cancel: set = set()
         self._stopping = False
         self._abort: Optional[str] = None  # set: every request in flight ends with this error
-        self.waiting: list = []
-        self.running: list = []
-        # request key -> (policy_key, tokens, stream). Keys, never ``id()``: a dropped request's
-        # address goes to a later one, and a clash would overwrite a retained stream without
-        # giving its blocks back (or cancel the wrong request)
-        self.retained: OrderedDict = OrderedDict()
-        self.reserved = 0
+        # the queue, the running batch and the retained streams (engine/scheduler.py)
+        self.sched = Scheduler(self.pool, config.max_batch, config.retain, config.rewind, self.metrics,
+                               self.rope_switch)
         self._ids = itertools.count()
         self._keys = itertools.count()
         self._thread: Optional[threading.Thread] = None
@@ -231,6 +224,18 @@ class Engine:
                 why = e.reason
         log.warning("serving with the eager step (slower): the compiled step cannot run here: %s", why)
         return None
+
+    @property
+    def waiting(self) -> list:
+        return self.sched.waiting
+
+    @property
+    def running(self) -> list:
+        return self.sched.running
+
+    @property
+    def retained(self):
+        return self.sched.retained
 
     @property
     def step_kind(self) -> str:
@@ -303,7 +308,7 @@ class Engine:
         with self._cv:
             if self._stopping:
                 raise ShuttingDown()
-            if self._queued_with(req) > self.config.max_queue:
+            if self.sched.queued_with(self._inbox + [req]) > self.config.max_queue:
                 self.metrics.requests["rejected"] += 1
                 raise QueueFull(retry_after=self._retry_after())
             req.id = req.id or f"{next(self._ids)}"
@@ -347,24 +352,10 @@ class Engine:
         with self._cv:
             return {"queue": len(self.waiting) + len(self._inbox), "running": len(self.running),
                     "blocks_used": self.pool.used, "blocks_free": self.pool.free,
-                    "blocks_retained": sum(s.blocks() for _, _, s in self.retained.values()),
+                    "blocks_retained": self.sched.retained_blocks(),
                     "alive": self._thread is not None and self._thread.is_alive(), "step": self.step_kind}
 
     # ------------------------------------------------------------------ the engine thread
-
-    def _queued_with(self, req: Request) -> int:
-        """How many requests would wait for admission with ``req`` added: admission is first in,
-        first out, so the requests ahead take batch rows and blocks first, and once one does not
-        fit every later one waits too."""
-        rows = self.config.max_batch - len(self.running)
-        free = self.pool.num_blocks - self.reserved
-        queued = 0
-        for r in list(self.waiting) + self._inbox + [req]:
-            if queued == 0 and rows > 0 and r.need <= free:
-                rows, free = rows - 1, free - r.need
-            else:
-                queued += 1
-        return queued
 
     def _retry_after(self) -> int:
         per_step = self.metrics.step_seconds / max(1, self.metrics.steps)
@@ -390,7 +381,7 @@ class Engine:
             try:
                 self._drop(cancel)
                 self._expire()
-                self._admit()
+                self.sched.admit()
                 self._step()
             except Exception as e:  # outside any one request's step: fail those in flight, keep serving
                 log.exception("engine step failed")
@@ -425,64 +416,10 @@ class Engine:
         for r in [r for r in self.running if now - r.t_submit > limit]:
             self._finish(r, error=msg)
 
-    def _admit(self) -> None:
-        while self.waiting:
-            r = self.waiting[0]
-            # The retained stream this request would continue is found first and never evicted
-            # to make room for it: its blocks become the request's own (counted in r.need).
-            # Evicting it first would make every long windowed chat re-prefill, since a turn's
-            # need and the stream it continues together often exceed the pool.
-            reuse = self._best_reuse(r)
-            keep = reuse[0] if reuse else None
-            while not self._fits_with_retained(r, keep) and any(k != keep for k in self.retained):
-                victim = next(k for k in self.retained if k != keep)  # least recently used
-                _, _, st = self.retained.pop(victim)
-                st.release(self.pool)
-            if not self._fits_with_retained(r, keep):
-                return
-            self.waiting.pop(0)
-            self.reserved += r.need
-            self.metrics.prompt_tokens += len(r.prompt)
-            self.metrics.prefix_queries += 1
-            r.stream = self._take_over(r, *reuse) if reuse else PagedStream.for_policy(r.policy, self.config.rewind)
-            self.running.append(r)
-
-    def _fits_with_retained(self, r: Request, keep=None) -> bool:
-        """Whether ``r`` fits beside the running requests and the retained streams (but ``keep``,
-        the stream ``r`` takes over)."""
-        held = sum(s.blocks() for k, (_, _, s) in self.retained.items() if k != keep)
-        return len(self.running) < self.config.max_batch and \
-            self.reserved + r.need <= self.pool.num_blocks - held
-
-    def _best_reuse(self, r: Request) -> Optional[tuple]:
-        """``(key, n)``: the retained stream sharing the longest usable prefix (n tokens) with
-        ``r.prompt``, or None. Usable: the stream still holds what a query at ``n`` reads."""
-        best = None
-        for key, (pk, toks, st) in self.retained.items():
-            if pk != r.policy_key:
-                continue
-            if self.rope_switch is not None and (len(toks) > self.rope_switch) != (len(r.prompt) > self.rope_switch):
-                continue  # its keys carry the other long-rope factors (the server never crosses)
-            n = _common_prefix(toks, r.prompt)
-            n = min(n, len(r.prompt) - 1)  # at least one token is fed: its logits start the reply
-            if n > (best[1] if best else 0) and st.can_truncate(n, self.pool):
-                best = (key, n)
-        return best
-
-    def _take_over(self, r: Request, key, n: int) -> PagedStream:
-        """Continue the retained stream ``key`` from position ``n`` as ``r``'s stream."""
-        _, toks, st = self.retained.pop(key)
-        st.truncate(n, self.pool)
-        r.fed = toks[:n]
-        r.reused = n
-        self.metrics.prefix_hits += 1
-        self.metrics.prefix_tokens += n
-        return st
-
     def _step(self) -> None:
         """Every decoding request's next token and one prefill chunk, one call per policy: the
         compiled step where it serves the policy, else the eager model."""
-        pre = next((r for r in self.running if r.pending is None and r.finish_reason is None), None)
+        pre = self.sched.next_prefill()
         by_key: dict = {}
         for r in self.running:
             if r.pending is not None:
@@ -642,20 +579,9 @@ class Engine:
             r.text = r.text[end:]
 
     def _finish(self, r: Request, reason: Optional[str] = None, error: Optional[str] = None) -> None:
-        if r in self.running:
-            self.running.remove(r)
-            self.reserved -= r.need
+        self.sched.retire(r, keep=error is None and reason != "cancelled")
         r.t_done = time.perf_counter()
         r.finish_reason = reason or "error"
-        st, r.stream = r.stream, None
-        if st is not None:
-            if error is None and reason != "cancelled" and self.config.retain and r.fed:
-                self.retained[r.key] = (r.policy_key, r.fed, st)  # r is done: its ids stay as they are
-                while len(self.retained) > self.config.retain:
-                    _, (_, _, old) = self.retained.popitem(last=False)
-                    old.release(self.pool)
-            else:
-                st.release(self.pool)
         if error is not None:
             self.metrics.requests["error"] += 1
             r.emit("error", error)
@@ -664,11 +590,3 @@ class Engine:
         if reason != "cancelled":
             self._send(r, final=True)
         r.emit("done", r)
-
-
-def _common_prefix(a, b) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
