@@ -4,6 +4,7 @@ ids and text, exactly, on the three bundled models; everything else comes from t
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,15 @@ ODD = ["", " ", "Hello  world\n\n", "<|im_start|>user\nhi<|im_end|>", "<start_of
        "café naïve — “quotes” 日本語 🙂", "\t\ttabs  and   spaces  ", "<bos><eos><pad>"]
 
 
+def _tokenizer_files(name: str, tmp_path) -> Path:
+    """A directory holding the bundled model's tokenizer files as the converted cache entry
+    holds them (written by the tokenizer itself: a first load in an empty cache has no entry
+    yet, its weights not proven)."""
+    d = tmp_path / f"{name}-files"
+    real_checkpoint(name).tokenizer.save_pretrained(str(d))
+    return d
+
+
 def _samples() -> list:
     text = all_books_text()
     return [text[i:i + 2500] for i in range(0, 150_000, 5_000)] + ODD
@@ -24,10 +34,20 @@ def _samples() -> list:
 
 @pytest.mark.real
 @pytest.mark.parametrize("name", MODELS)
-def test_bundled_tokenizers_equal_transformers(name):
-    tok = real_checkpoint(name).tokenizer
+def test_bundled_tokenizers_equal_transformers(name, tmp_path):
+    """The tokenizer a run gets, whether this is the model's first run (transformers' GGUF
+    tokenizer wrapped) or a later one (the converted directory), and the directory's own
+    CheckpointTokenizer, against transformers' tokenizer of the same files."""
+    first = real_checkpoint(name).tokenizer
+    assert isinstance(first, CheckpointTokenizer)
+    d = _tokenizer_files(name, tmp_path)
+    assert _equal_to_transformers(first, first.hf if first._path is None else load_tokenizer(first._path))
+    tok = checkpoint_tokenizer(d)
     assert isinstance(tok, CheckpointTokenizer)
-    hf = load_tokenizer(tok._path)
+    assert _equal_to_transformers(tok, load_tokenizer(d))
+
+
+def _equal_to_transformers(tok, hf) -> bool:
     for s in _samples():
         ids = tok(s)["input_ids"]
         assert ids == hf(s)["input_ids"], s[:60]
@@ -35,6 +55,7 @@ def test_bundled_tokenizers_equal_transformers(name):
             assert tok.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
     assert tok.eos_token_id == hf.eos_token_id  # from transformers, on first use
     assert tok.convert_ids_to_tokens(5) == hf.convert_ids_to_tokens(5)
+    return True
 
 
 @pytest.mark.real
@@ -58,7 +79,7 @@ def test_bundled_gguf_tokenizer_class_is_the_one_autotokenizer_picks(name, tmp_p
 def _tokenizer_dir(tmp_path, config: dict):
     d = tmp_path / "tok"
     d.mkdir()
-    src = real_checkpoint("smollm2-135m").tokenizer._path
+    src = _tokenizer_files("smollm2-135m", tmp_path)
     (d / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
     (d / "tokenizer_config.json").write_text(json.dumps(config))
     return d
@@ -98,12 +119,12 @@ print(rss() - before)
 
 @pytest.mark.real
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="reads /proc")
-def test_loading_a_large_tokenizer_hands_its_parse_memory_back():
+def test_loading_a_large_tokenizer_hands_its_parse_memory_back(tmp_path):
     """Gemma 3's 33 MB tokenizer.json: the parse frees most of what it allocated, and the
     checkpoint tokenizer hands that back to the system (glibc keeps it otherwise)."""
     import subprocess
     import sys
-    path = real_checkpoint("gemma3-270m").tokenizer._path
+    path = _tokenizer_files("gemma3-270m", tmp_path)
     grew = {how: int(subprocess.run([sys.executable, "-c", _RSS_AFTER_LOAD, str(path), how], check=True,
                                     capture_output=True, text=True).stdout) for how in ("plain", "checkpoint")}
     assert grew["checkpoint"] < grew["plain"] / 2, grew

@@ -33,7 +33,7 @@ from ..errors import LongattnError
 from .bundled import BUNDLED, resolve_model
 from .digest import content_digest, remember_digest
 from .paths import atomic_dir, cache_root, hold_entry, remove_path, temp_prefix
-from .tokenizer import checkpoint_tokenizer, load_tokenizer
+from .tokenizer import checkpoint_tokenizer, load_tokenizer, wrap_tokenizer
 
 CONVERTER_VERSION = "5"  # bump when the converted layout or config reading changes
 CHECKSUM = "checksum.json"  # SHA-256 of the entry's files, written last
@@ -124,6 +124,7 @@ def _convert_gguf(src: Path, target: Path, digest: str) -> tuple:
     if cfg.family == "gemma3" and not getattr(tok, "chat_template", None):
         from .family_gaps import GEMMA3_CHAT_TEMPLATE
         tok.chat_template = GEMMA3_CHAT_TEMPLATE
+    tok = wrap_tokenizer(tok, src)  # a first run tokenizes as later runs (from the written directory) do
 
     def commit() -> None:
         with atomic_dir(target, complete=_complete) as tmp:

@@ -87,8 +87,8 @@ class CheckpointTokenizer:
     """``tok(text)["input_ids"]`` and ``tok.decode(ids, skip_special_tokens=...)`` by the
     `tokenizers` library; any other attribute from transformers' tokenizer (``hf``)."""
 
-    def __init__(self, path: Path, fast, what):
-        self._path, self._fast, self._what, self._hf = Path(path), fast, what, None
+    def __init__(self, path: Path | None, fast, what, hf=None):
+        self._path, self._fast, self._what, self._hf = (None if path is None else Path(path)), fast, what, hf
 
     @property
     def hf(self):
@@ -121,6 +121,18 @@ class CheckpointTokenizer:
         if name.startswith("_"):
             raise AttributeError(name)
         return getattr(self.hf, name)
+
+
+def wrap_tokenizer(hf, what):
+    """transformers' tokenizer ``hf`` built from a GGUF's metadata (before the converted directory
+    exists) behind CheckpointTokenizer's encode and decode, so a model's first run tokenizes by the
+    same calls as every later one (the `tokenizers` library, which releases the GIL); ``hf`` as it
+    is where it has no such backend or asks transformers to clean up spaces or add EOS itself."""
+    fast = getattr(hf, "backend_tokenizer", None)
+    settings = getattr(hf, "init_kwargs", None) or {}
+    if fast is None or any(settings.get(k) for k in ("clean_up_tokenization_spaces", "add_eos_token")):
+        return hf
+    return CheckpointTokenizer(None, fast, what, hf=hf)
 
 
 def checkpoint_tokenizer(path: Path, what: str | None = None):
