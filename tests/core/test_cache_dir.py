@@ -68,12 +68,13 @@ def test_a_rust_library_out_of_room_is_one_error_too(cache, tmp_path):
 
     def full(*a, **k):
         raise Exception("No space left on device (os error 28)")
-    type(ck.tokenizer).save_pretrained, real = full, type(ck.tokenizer).save_pretrained
+    hf = type(ck.tokenizer.hf)  # transformers' tokenizer writes the files (CheckpointTokenizer hands it on)
+    hf.save_pretrained, real = full, hf.save_pretrained
     try:
         with pytest.raises(CacheWriteError, match=f"cannot write converted/.* into the cache directory {cache}"):
             ck.state_dict  # noqa: B018 -- reading every weight commits the conversion
     finally:
-        type(ck.tokenizer).save_pretrained = real
+        hf.save_pretrained = real
     assert _left(cache) == ["converted"]
 
 
