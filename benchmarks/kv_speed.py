@@ -26,7 +26,8 @@ from longattn.checkpoint import load_checkpoint
 from longattn.checkpoint.prepared import prepared_model
 from longattn.engine.sampling import SamplingConfig
 from longattn.policy import AttentionPolicy
-from longattn.serve.batching import KV_FORMATS, Engine, EngineConfig, Request
+from longattn.cache.kv_format import KV_FORMATS
+from longattn.serve.batching import Engine, EngineConfig, Request
 
 
 def decode_rate(model, tok, policy, ids: list, new: int, kv: str, **config) -> float:

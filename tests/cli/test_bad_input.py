@@ -105,12 +105,12 @@ def test_compile_aot_refused_in_one_line_where_it_cannot_run(cli, tiny_gguf, mon
     _refused(cli("generate", "--model", tiny_gguf, "--compile", "sometimes"), "invalid choice", [])
 
 
-def test_kv_bf16_refused_where_the_step_stores_float32(cli, tiny_gguf):
-    """bfloat16 keys are a format of the compiled step's pool: asked of the eager or the
+def test_kv_formats_refused_where_the_step_stores_float32(cli, tiny_gguf):
+    """bfloat16 and int8 keys are formats of the compiled step's pool: asked of the eager or the
     torch.compile step, refused in one line before anything is read."""
-    for step in ("none", "jit"):
-        _refused(cli("generate", "--model", tiny_gguf, "--max-new-tokens", 1, "--compile", step, "--kv", "bf16"),
-                 "--kv bf16", [])
+    for step, kv in (("none", "bf16"), ("jit", "int8")):
+        _refused(cli("generate", "--model", tiny_gguf, "--max-new-tokens", 1, "--compile", step, "--kv", kv),
+                 f"--kv {kv}", [])
 
 
 def test_a_bad_model_name_is_refused_before_the_kernels_build(tmp_path):

@@ -150,16 +150,16 @@ def test_generate_runs_the_ahead_of_time_step_and_the_files_int4_by_default(tmp_
     from tiny_gguf import write_tiny_gguf
     gguf = write_tiny_gguf(tmp_path / "tiny.gguf", mlp_type="Q4_1", attn_type="Q4_0")
     runs = {}
-    for flags in ((), ("--compile", "none"), ("--policy", "sparse")):
+    for flags in ((), ("--compile", "none"), ("--policy", "sparse"), ("--kv", "int8")):
         # the user's cache: its kernels are built already (a private one would build them again)
         r = run_cli(["generate", "--model", gguf, "--prompt", "the cat", "--max-new-tokens", 4, "--json",
                      "--threads", 2, *flags], cache_root(), native=True)
         assert r.returncode == 0, r.stderr[-2000:]
         runs[flags] = json.loads(r.stdout.strip().splitlines()[-1])
     steps = [run["step"] for run in runs.values()]
-    assert steps == ["aot", "eager", "eager"]  # sparse layers have no ahead-of-time step
-    # the compiled (paged) step's pool stores bfloat16 by default; the eager step float32
-    assert [run["kv"] for run in runs.values()] == ["bf16", "f32", "f32"]
+    assert steps == ["aot", "eager", "eager", "aot"]  # sparse layers have no ahead-of-time step
+    # the compiled (paged) step's pool stores bfloat16 by default (int8 asked for); the eager step float32
+    assert [run["kv"] for run in runs.values()] == ["bf16", "f32", "f32", "int8"]
     assert {run["weights"] for run in runs.values()} == {"int4+int8:embed,lm_head"}
 
 

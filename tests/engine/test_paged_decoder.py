@@ -58,3 +58,42 @@ def test_an_inactive_stream_keeps_its_place_and_a_new_window_needs_no_build():
     assert dec.streams[1].next_pos == 25 and dec.streams[0].next_pos == 30
     window = AttentionPolicy.build(cfg, "window", window=7, sinks=3)
     assert paged_key(model, window, 16, torch.float32) == dec.paged.key
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("chunk", [64, 7])
+def test_prefill_into_a_float32_pool_is_the_dense_prefill_bit_for_bit(family, chunk):
+    """The prompt goes straight into the pool; with f32 keys every chunk's attention reads the
+    very tensors a growing cache holds, so the logits are the dense prefill's, at every position
+    (global layers; Gemma 2's local layers read their window from the pool)."""
+    torch.set_num_threads(2)
+    model, _ = tiny_formats(family, "int8")
+    pol = AttentionPolicy.from_config(model.config)
+    ids = torch.randint(3, 96, (2, 50), generator=torch.Generator().manual_seed(11)).tolist()
+    ids[1] = ids[1][:37]  # rows of different lengths pad
+    dec = PagedDecoder(model, pol, batch=2, max_len=64, progress=False)
+    got = dec.prefill(ids, chunk=chunk, logits="all")
+    want = Session(model, pol, batch=2).prefill(ids, chunk=chunk, logits="all")
+    if family == "llama":
+        assert torch.equal(got, want)
+    else:  # windowed layers: the pool holds the window, the ring its own slots: other reduction orders
+        assert (got - want).abs().max() < 1e-3
+    assert [st.next_pos for st in dec.streams] == [50, 37]
+
+
+def test_an_int8_pool_holds_a_quarter_of_the_float32_bytes_and_decodes_row_independently():
+    torch.set_num_threads(2)
+    model, _ = tiny_formats("llama", "int4")
+    ids = torch.randint(3, 96, (2, 30), generator=torch.Generator().manual_seed(2))
+    decs = {kv: PagedDecoder(model, batch=2, max_len=64, kv_dtype=dt, progress=False)
+            for kv, dt in (("f32", torch.float32), ("int8", torch.int8))}
+    for d in decs.values():
+        d.prefill(ids[:, :20].tolist())
+    D = model.config.head_dim
+    assert decs["int8"].cache.nbytes() * 4 * D == decs["f32"].cache.nbytes() * (D + 4 * -(-D // 32))
+    dec = decs["int8"]
+    alone = PagedDecoder(model, batch=2, max_len=64, kv_dtype=torch.int8, progress=False)
+    alone.prefill(ids[:, :20].tolist())
+    for t in range(20, 30):
+        some = dec.step(ids[:, t], active=torch.tensor([True, t % 3 == 0]))
+        assert torch.equal(some[0], alone.step(ids[:, t], active=torch.tensor([True, False]))[0])

@@ -24,7 +24,8 @@ from longattn.checkpoint import load_checkpoint
 from longattn.engine.sampling import SamplingConfig
 from longattn.models import build_model
 from longattn.policy import AttentionPolicy
-from longattn.serve.batching import KV_FORMATS, Engine, EngineConfig, Request
+from longattn.cache.kv_format import KV_FORMATS
+from longattn.serve.batching import Engine, EngineConfig, Request
 
 VOCAB = range(3, 96)
 
@@ -108,7 +109,7 @@ def _conversation(model, policy, turns, **cfg) -> list[list[int]]:
 
 @pytest.mark.parametrize("step", STEPS)
 @pytest.mark.parametrize("weights,kv", [("int8", "f32"), ("int4", "f32"), ("int5", "f32"), ("int4", "bf16"),
-                                        ("f32", "f32"), ("bf16", "bf16")])
+                                        ("f32", "f32"), ("bf16", "bf16"), ("int5", "int8")])
 @pytest.mark.parametrize("policy", ["checkpoint", "window"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_turn_that_reuses_a_cached_prefix_equals_the_turn_alone(tiny_ck, weights, kv, policy, seed, step):
@@ -137,7 +138,7 @@ def test_a_turn_that_reuses_a_cached_prefix_equals_the_turn_alone(tiny_ck, weigh
 @pytest.mark.parametrize("family,weights,kv", [("llama", "int8", "f32"), ("llama", "int4", "f32"),
                                                ("llama", "int4", "bf16"), ("llama", "f32", "f32"),
                                                ("llama", "bf16", "f32"), ("gemma2", "int8", "bf16"),
-                                               ("gemma2", "f32", "f32")])
+                                               ("gemma2", "f32", "f32"), ("gemma2", "int4", "int8")])
 @pytest.mark.parametrize("policy", ["checkpoint", "window"])
 def test_a_position_has_the_same_logits_prefilled_in_any_chunk_or_decoded(family, weights, kv, policy):
     """Logits, not just greedy tokens: every position of a sequence over the paged cache gets

@@ -19,7 +19,8 @@ from longattn.engine.sampling import SamplingConfig
 from longattn.models import build_model
 from longattn.policy import AttentionPolicy
 from longattn.serve import batching
-from longattn.serve.batching import KV_FORMATS, Engine, EngineConfig, Request
+from longattn.cache.kv_format import KV_FORMATS
+from longattn.serve.batching import Engine, EngineConfig, Request
 from test_invariance import CharIds
 from tolerance import LOGIT_FLOOR, assert_within_derived
 
@@ -56,7 +57,8 @@ class _Streams:
 
 
 @pytest.mark.parametrize("family,weights,kv", [("llama", "int8", "f32"), ("llama", "int4", "bf16"),
-                                               ("llama", "f32", "f32"), ("gemma2", "int8", "bf16")])
+                                               ("llama", "f32", "f32"), ("gemma2", "int8", "bf16"),
+                                               ("llama", "int4", "int8")])
 @pytest.mark.parametrize("policy", ["checkpoint", "window"])
 def test_a_position_has_the_same_logits_in_any_chunk_batch_or_decoded(family, weights, kv, policy):
     """Every position of a sequence gets the same bits prefilled whole, in random chunks,

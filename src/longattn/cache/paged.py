@@ -31,12 +31,10 @@ import torch
 
 from ..errors import LongattnError, check_int
 from ..ops.attention import PagedRows
+from .kv_format import encode, row_bytes, row_width, widen
 from .base import KVCache, LayerCache
 
 
-# the pool's storage formats: keys and values rounded to this when stored (bf16: half the bytes;
-# the fused kernel widens each row exactly as it reads it)
-KV_FORMATS = {"f32": torch.float32, "bf16": torch.bfloat16}
 
 
 class PoolExhausted(LongattnError):
@@ -57,11 +55,12 @@ class BlockPool:
         self.num_blocks, self.block_size = num_blocks, block_size
         # Uninitialised: a page of the pool is touched (and costs memory) only once a block on it
         # is first handed out, which zeroes it; block 0 is zeroed now, as views pad with it.
-        self.k = torch.empty(kv_heads, num_blocks * block_size, head_dim, dtype=dtype)  # [Hkv, N*bs, D]
+        # [Hkv, N*bs, W]: rows of head_dim values as the format stores them (kv_format.py)
+        self.k = torch.empty(kv_heads, num_blocks * block_size, row_width(dtype, head_dim), dtype=dtype)
         self.v = torch.empty_like(self.k)
         self._zero(0)
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: the lowest id is handed out first
-        self.dtype = dtype
+        self.dtype, self.head_dim = dtype, head_dim
 
     @property
     def free(self) -> int:
@@ -74,12 +73,12 @@ class BlockPool:
     @property
     def block_bytes(self) -> int:
         """Bytes of K and V one block holds."""
-        return self.bytes_per_block(self.block_size, self.k.shape[0], self.k.shape[2], self.dtype)
+        return self.bytes_per_block(self.block_size, self.k.shape[0], self.head_dim, self.dtype)
 
     @staticmethod
     def bytes_per_block(block_size: int, kv_heads: int, head_dim: int, dtype) -> int:
         """Bytes of K and V one block of such a pool holds (before any pool is made)."""
-        return 2 * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        return 2 * block_size * kv_heads * row_bytes(dtype, head_dim)
 
     def alloc(self) -> int:
         if not self._free:
@@ -234,10 +233,18 @@ def blocks_bound(window: Optional[int], sinks: int, tokens: int, chunk: int, blo
 
 
 class PagedLayerCache(LayerCache):
-    """Layer ``layer`` of the streams ``streams`` (one batch row each), stored in ``pool``."""
+    """Layer ``layer`` of the streams ``streams`` (one batch row each), stored in ``pool``.
 
-    def __init__(self, pool: BlockPool, layer: int, streams: list, kpos_memo: Optional[dict] = None):
+    ``gather_chunks``: a chunk of more than one token reads a gathered, widened copy of the view
+    (the tensors a growing cache returns, so the causal and banded prefill kernels apply) instead
+    of the pool in place (every query a row of the fused decode kernel, the same bits as decoding
+    it: what the server needs). ``generate`` prefills this way: its prompt is stored once, in the
+    pool's format, with the prefill kernels' speed."""
+
+    def __init__(self, pool: BlockPool, layer: int, streams: list, kpos_memo: Optional[dict] = None,
+                 gather_chunks: bool = False):
         self.pool, self.layer, self.streams = pool, layer, streams
+        self.gather_chunks = gather_chunks
         # key positions by (logical blocks, row lengths), shared by the layers of one step:
         # layers with the same window hold the same logical blocks, so most find it made
         self.kpos_memo = {} if kpos_memo is None else kpos_memo
@@ -270,9 +277,11 @@ class PagedLayerCache(LayerCache):
         else:
             bi, ti = torch.tensor(b_idx, dtype=torch.int64), torch.tensor(t_idx, dtype=torch.int64)
             kk, vv = (x.permute(1, 0, 2, 3)[:, bi, ti] for x in (k, v))  # [Hkv, M, D]
-        pool.k[:, slots_t] = kk.to(pool.dtype)
-        pool.v[:, slots_t] = vv.to(pool.dtype)
+        pool.k[:, slots_t] = encode(kk, pool.dtype)
+        pool.v[:, slots_t] = encode(vv, pool.dtype)
         k_all, v_all, k_pos = self._view(ends)
+        if self.gather_chunks and k.shape[2] > 1:
+            k_all, v_all = (widen(x.gather(), k.shape[3], k.dtype) for x in (k_all, v_all))
         for st, end in zip(self.streams, ends):
             st.free_out_of_window(self.layer, end, pool)
         return k_all, v_all, k_pos
@@ -317,13 +326,14 @@ class PagedKVCache(KVCache):
     (sparse) are not served.
     """
 
-    def __init__(self, cfg, pool: BlockPool, streams: list):
+    def __init__(self, cfg, pool: BlockPool, streams: list, gather_chunks: bool = False):
         if not streams:
             raise LongattnError("a paged cache needs at least one stream")
         self.pool, self.streams = pool, list(streams)
         memo: dict = {}
         super().__init__(cfg, len(self.streams),
-                         layers=[PagedLayerCache(pool, i, self.streams, memo) for i in range(cfg.num_layers)],
+                         layers=[PagedLayerCache(pool, i, self.streams, memo, gather_chunks)
+                                 for i in range(cfg.num_layers)],
                          dtype=pool.dtype)
         self.next_pos = torch.tensor([st.next_pos for st in self.streams], dtype=torch.int64)
 

@@ -37,10 +37,11 @@ def add_parser(sub) -> None:
                         "step with torch.compile in this run; none decodes eagerly (the reference); auto "
                         "is aot where it can run (longattn's native kernels, window and dense layers) and "
                         "none elsewhere")
-    p.add_argument("--kv", choices=["f32", "bf16"], default=None,
+    p.add_argument("--kv", choices=["f32", "bf16", "int8"], default=None,
                    help="how the compiled step's KV pool stores keys and values: bf16 (its default: half "
-                        "the bytes, measured within 0.004 bits/token of f32 on the bundled models) or f32 "
-                        "(the reference); the eager and torch.compile steps store f32 only")
+                        "the bytes, measured within 0.004 bits/token of f32 on the bundled models), int8 "
+                        "(codes with a scale per 32 values: 0.28x the bytes of f32) or f32 (the "
+                        "reference); the eager and torch.compile steps store f32 only")
     add_policy_args(p, auto=True)
     p.add_argument("--sparse-calibrate", action="store_true", default=argparse.SUPPRESS,
                    help="sparse: calibrate the taus in this run's first decode steps (run exactly) "
@@ -96,8 +97,8 @@ def run(args) -> int:
         raise LongattnError("--policy auto never calibrates (it engages SCSA only with taus kept by an "
                             "earlier run); calibrate with --policy sparse --sparse-calibrate")
     from ..ops import native
-    if args.kv == "bf16" and args.compile in ("none", "jit"):
-        raise LongattnError(f"--kv bf16 is a format of the compiled step's KV pool; --compile {args.compile} "
+    if args.kv in ("bf16", "int8") and args.compile in ("none", "jit"):
+        raise LongattnError(f"--kv {args.kv} is a format of the compiled step's KV pool; --compile {args.compile} "
                             "stores f32 (drop --kv, or use --compile aot)")
     if args.compile == "aot":  # refused here, before anything is read or built
         if args.policy in ("sparse", "auto"):
@@ -139,20 +140,20 @@ def run(args) -> int:
         if args.compile == "aot":
             from ..engine.aot_step import AOTBuildError
             from ..engine.paged_step import PagedDecoder, unsupported
-            from ..cache.paged import KV_FORMATS
+            from ..cache.kv_format import KV_FORMATS
             try:
                 # the server's step (windows are its inputs); a model it cannot run (a rope that
                 # follows the sequence length) takes the fixed-shape step built for its policy
                 why = unsupported(model, policy)
-                if why is not None and args.kv == "bf16":
-                    raise LongattnError(f"--kv bf16 needs the compiled paged step, which cannot run here: {why}")
+                if why is not None and args.kv in ("bf16", "int8"):
+                    raise LongattnError(f"--kv {args.kv} needs the compiled paged step, which cannot run here: {why}")
                 if why is None:
                     kv = args.kv or "bf16"
                     session = PagedDecoder(model, policy, max_len=max_len, kv_dtype=KV_FORMATS[kv])
                 else:
                     session = StaticDecoder(model, policy, max_len=max_len, compile="aot")
             except AOTBuildError as e:
-                if not chosen or args.kv == "bf16":  # asked for by name: refused in one line
+                if not chosen or args.kv in ("bf16", "int8"):  # asked for by name: refused in one line
                     raise
                 # the default: the same answer from the eager step, a little slower
                 print(f"-- the ahead-of-time decode step could not be built ({e.reason}); decoding with "

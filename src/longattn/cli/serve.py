@@ -33,10 +33,11 @@ def add_parser(sub) -> None:
                         "conversation filling the model's trained context, at least 4096, at most half the "
                         "memory available)")
     p.add_argument("--block-size", type=int, default=16, help="token slots per KV block")
-    p.add_argument("--kv", choices=["f32", "bf16"], default="bf16",
+    p.add_argument("--kv", choices=["f32", "bf16", "int8"], default="bf16",
                    help="how the pool stores keys and values: bf16 holds twice the tokens in the same "
                         "memory at a measured cost of at most 0.004 bits/token on the bundled models "
-                        "(docs/benchmarks.md); f32 is the reference")
+                        "(docs/benchmarks.md); int8 (codes with a scale per 32 values) 3.6x; f32 is the "
+                        "reference")
     p.add_argument("--compile", choices=["aot", "none"], default="aot",
                    help="aot (default): the step built ahead of time (once per model, weights, KV format "
                         "and machine, about a minute; any window and sinks) runs every decode row and "

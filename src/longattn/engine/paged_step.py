@@ -28,7 +28,8 @@ import json
 import torch
 
 from ..cache.base import KVView
-from ..cache.paged import BlockPool, BlockTable, RowBatch
+from ..cache.kv_format import row_width
+from ..cache.paged import BlockPool, RowBatch
 from ..errors import LongattnError
 from ..ops import native
 from ..ops.attention import PagedRows, paged_rows_attention
@@ -160,7 +161,7 @@ def _example(model, policy: AttentionPolicy, pool: BlockPool) -> tuple:
     R, S, P, nb = 5, 2, 11 * bs, 3
     groups = layer_groups(policy)
     group_of = {layer: g for g, layers in enumerate(groups) for layer in layers}
-    k = torch.zeros(cfg.num_kv_heads, P, cfg.head_dim, dtype=pool.dtype)
+    k = torch.zeros(cfg.num_kv_heads, P, row_width(pool.dtype, cfg.head_dim), dtype=pool.dtype)
     slots = [torch.arange(R, dtype=torch.int64) for _ in policy.layers]
     tables = [torch.zeros(R, nb + group_of[layer], dtype=torch.int64) for layer in range(len(policy.layers))]
     kpos = [torch.full((R, (nb + g) * bs), -1, dtype=torch.int64) for g in range(len(groups))]
@@ -224,9 +225,9 @@ class PagedStep:
 
 
 class PagedDecoder:
-    """A program's own streams on the compiled paged step: prefill eagerly (chunked, with the
-    banded and causal kernels where they pay), load the caches into a paged pool, then decode
-    with the server's step. ``generate`` runs this way by default: its windows and sinks are
+    """A program's own streams on the compiled paged step: prefill eagerly into a paged pool
+    (chunked, with the banded and causal kernels where they pay), then decode with the server's
+    step. ``generate`` runs this way by default: its windows and sinks are
     inputs of the step, so a window it has never used builds nothing.
 
     The interface ``engine.session.generate`` drives: ``prefill(prompts, chunk, logits)``,
@@ -244,57 +245,31 @@ class PagedDecoder:
     def __init__(self, model, policy: AttentionPolicy | None = None, batch: int = 1, max_len: int = 4096,
                  block_size: int = 16, kv_dtype=torch.float32, progress: bool = True):
         from ..cache.paged import PagedStream, blocks_bound
-        from .session import Session
         self.model, self.batch = model, batch
         self.policy = policy or AttentionPolicy.from_config(model.config)
         why = unsupported(model, self.policy)
         if why is not None:
             raise LongattnError(f"the compiled paged step cannot run here: {why}")
         cfg = model.config
-        per_stream = sum(blocks_bound(lp.window or None, lp.sinks if lp.window else 0, max_len, 1, block_size) + 1
-                         for lp in self.policy.layers)
+        # a prefill chunk holds its window and itself at once: bounded by max_len; the pool's
+        # pages cost memory only once used, and freed blocks are handed out again first
+        per_stream = sum(blocks_bound(lp.window or None, lp.sinks if lp.window else 0, max_len, max_len,
+                                      block_size) + 1 for lp in self.policy.layers)
         self.pool = BlockPool(batch * per_stream + 1, block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
         self.paged = PagedStep(model, self.policy, self.pool, progress)
-        self.session = Session(model, self.policy, batch=batch)
         self.streams = [PagedStream.for_policy(self.policy) for _ in range(batch)]
         self.cache = _PoolUse(self.pool, self.streams)
 
     def prefill(self, prompts, chunk: int = 512, logits: str = "last") -> torch.Tensor:
-        """Eager chunked prefill (``Session.prefill``), then the caches into the pool."""
-        out = self.session.prefill(prompts, chunk=chunk, logits=logits)
-        with torch.no_grad():
-            self._load(self.session.cache)
-        self.session = None  # its cache is in the pool now
-        return out
-
-    def _load(self, cache) -> None:
-        """Store what each layer of ``cache`` holds that a later query reads (a windowed
-        layer's sinks and last ``window`` positions; everything on global layers) in the pool."""
-        bs = self.pool.block_size
-        ends = [int(n) for n in cache.next_pos.tolist()]
-        for layer, lc in enumerate(cache.layers):
-            k, v, pos = lc.view()  # [B, Hkv, N, D], [B, N]
-            lp = self.policy.layers[layer]
-            for b, st in enumerate(self.streams):
-                p = pos[b]
-                keep = p >= 0
-                if lp.window:
-                    keep &= (p < lp.sinks) | (p > ends[b] - 1 - lp.window)
-                idx = keep.nonzero().squeeze(1)
-                table, slots = st.tables[layer], []
-                for q in p[idx].tolist():
-                    if q // bs not in table:
-                        table[q // bs] = self.pool.alloc()
-                    slots.append(table[q // bs] * bs + q % bs)
-                slots_t = torch.tensor(slots, dtype=torch.int64)
-                self.pool.k[:, slots_t] = k[b][:, idx].to(self.pool.dtype)
-                self.pool.v[:, slots_t] = v[b][:, idx].to(self.pool.dtype)
-                # blocks must follow position order: a ring's slots may not
-                st.tables[layer] = BlockTable(sorted(table.items()))
-        for st, end in zip(self.streams, ends):
-            st.next_pos = end
-            for layer in range(len(st.tables)):
-                st.free_out_of_window(layer, end, self.pool)
+        """Eager chunked prefill (``Session.prefill``) straight into the pool: each chunk's keys
+        and values are stored in the pool's format, and its attention reads a widened copy of
+        what the layer holds with the causal/banded kernels (``PagedLayerCache.gather_chunks``),
+        so no float32 copy of the whole cache ever exists."""
+        from ..cache.paged import PagedKVCache
+        from .session import Session
+        session = Session(self.model, self.policy, PagedKVCache(self.model.config, self.pool, self.streams,
+                                                                gather_chunks=True))
+        return session.prefill(prompts, chunk=chunk, logits=logits)
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:

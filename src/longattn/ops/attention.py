@@ -86,13 +86,14 @@ class PagedRows(NamedTuple):
     ``attend`` hands it to the fused decode kernel as it is; any other kernel reads
     ``gather()``, the ``[B, Hkv, length, D]`` tensor a growing cache would hold."""
 
-    pool: torch.Tensor   # [1, Hkv, R, D]: every stream's blocks, rows contiguous
+    pool: torch.Tensor   # [1, Hkv, R, W]: every stream's blocks, rows contiguous (cache/kv_format.py)
     table: torch.Tensor  # int64 [B, NB]: each stream's blocks in position order
     block_size: int
     length: int          # N slots per stream (<= NB * block_size)
 
     def gather(self) -> torch.Tensor:
-        """``[B, Hkv, N, D]``: each stream's blocks copied whole, in order, cut to N slots."""
+        """``[B, Hkv, N, W]``: each stream's blocks copied whole, in order, cut to N slots (rows
+        as stored: ``kv_format.widen`` makes them values)."""
         _, H, _, D = self.pool.shape
         B, nb = self.table.shape
         blocks = self.pool[0].view(H, -1, self.block_size, D).index_select(1, self.table.reshape(-1))
@@ -108,10 +109,10 @@ def fused_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap,
 
 
 def paged_fused_applies(q: torch.Tensor, pool: torch.Tensor, sink_logits=None) -> bool:
-    """The fused kernel reads a paged pool in place: float32 queries, a float32 or bfloat16
-    pool (soft-capped scores included: a paged cache has no other path that is the same bits
+    """The fused kernel reads a paged pool in place: float32 queries, a float32, bfloat16 or
+    int8 (q8) pool (soft-capped scores included: a paged cache has no other path that is the same bits
     at every chunking)."""
-    return (q.dtype == torch.float32 and pool.dtype in (torch.float32, torch.bfloat16)
+    return (q.dtype == torch.float32 and pool.dtype in (torch.float32, torch.bfloat16, torch.int8)
             and (sink_logits is None or sink_logits.dtype == torch.float32) and native.available())
 
 
@@ -139,7 +140,9 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if isinstance(k, PagedRows):
         if fused and paged_fused_applies(q, k.pool, sink_logits):
             return paged_rows_attention(q, q_pos, k, v, k_pos, window, sinks, scale, sink_logits, softcap)
-        k, v = k.gather().to(q.dtype), v.gather().to(q.dtype)  # a bfloat16 pool widens exactly
+        # a bfloat16 pool widens exactly; an int8 pool's rows widen as the kernels widen them
+        from ..cache.kv_format import widen
+        k, v = (widen(x.gather(), q.shape[-1], q.dtype) for x in (k, v))
     if fused and fused_applies(q, k, v, softcap, sink_logits):
         none = k[:, :, :0]  # no separate own key: the cache already holds it
         return torch.ops.longattn_cpu.decode_attention(q, k, v, k_pos, q_pos, none, none,

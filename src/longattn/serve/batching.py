@@ -35,7 +35,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ..cache.paged import KV_FORMATS, BlockPool, PagedKVCache, PagedStream, blocks_bound, finish_rows, plan_rows
+from ..cache.kv_format import KV_FORMATS
+from ..cache.paged import BlockPool, PagedKVCache, PagedStream, blocks_bound, finish_rows, plan_rows
 from ..engine.sampling import SamplingConfig, sample
 from ..engine.scheduler import Scheduler
 from ..engine.session import recompute_length

@@ -37,6 +37,25 @@ inline float to_float(uint16_t x) {
   return f;
 }
 
+// q8 rows (cache/kv_format.py): D int8 codes, then one float32 scale per block of 32 codes
+// (the last block may be shorter); a value is code * scale, the float32 product its PyTorch
+// reference computes.
+inline int64_t q8_width(int64_t D) { return D + 4 * ((D + 31) / 32); }
+inline void q8_widen(const int8_t* row, int64_t D, float* out) {
+  for (int64_t b0 = 0; b0 < D; b0 += 32) {
+    float s;
+    std::memcpy(&s, row + D + 4 * (b0 / 32), sizeof s);
+    const int64_t e = std::min<int64_t>(D, b0 + 32);
+    const __m256 vs = _mm256_set1_ps(s);
+    int64_t d = b0;
+    for (; d + 8 <= e; d += 8) {
+      const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d)));
+      _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_cvtepi32_ps(w), vs));
+    }
+    for (; d < e; ++d) out[d] = static_cast<float>(row[d]) * s;
+  }
+}
+
 // a . b over D values (b float32 or bfloat16).
 template <typename T>
 inline float dot(const float* a, const T* b, int64_t D) {

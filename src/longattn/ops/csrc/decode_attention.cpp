@@ -3,10 +3,12 @@
 //
 //   q      [B, H, 1, D]    float32   the step's queries (H = Hkv * G query heads)
 //   k, v   [B, Hkv, S, D]  float32   the layer's buffer (slots in any order; rows contiguous,
-//                          or bfloat16 (widened exactly as each row is read: the bits of
-//                                    the float32 kernel on the widened cache)
 //                                    batch/head strides free, so a growing cache's view reads
-//                                    in place)
+//                                    in place), or bfloat16 (widened exactly as each row is
+//                                    read: the bits of the float32 kernel on the widened cache),
+//          [B, Hkv, S, W]  or int8 q8 rows (W = D + 4 * ceil(D / 32): codes, then a float32
+//                                    scale per 32; each row read is widened to code * scale,
+//                                    so the bits are the float32 kernel's on the widened cache)
 //   k_pos  [B, S]          int64     absolute position per slot, -1 = empty
 //   q_pos  [B, 1]          int64     the query's position, -1 = padding (output zeros)
 //   k_new, v_new [B, Hkv, 1, D]      the step's own key and value (not in the buffer yet), or
@@ -179,18 +181,21 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
               "decode_attention: q [B, H, 1, D], k/v [B, Hkv, S, D], k_new/v_new [B, Hkv, 1, D]");
   for (const auto* t : {&q, &k_new, &v_new})
     TORCH_CHECK(t->scalar_type() == at::kFloat, "decode_attention: float32 queries and new keys only");
-  TORCH_CHECK((k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16) && v.scalar_type() == k.scalar_type(),
-              "decode_attention: the cache is float32 or bfloat16 (k and v alike)");
-  const bool bf16 = k.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16 || k.scalar_type() == at::kChar) &&
+              v.scalar_type() == k.scalar_type(),
+              "decode_attention: the cache is float32, bfloat16 or int8 q8 rows (k and v alike)");
+  const bool bf16 = k.scalar_type() == at::kBFloat16, q8 = k.scalar_type() == at::kChar;
   TORCH_CHECK(k_pos.scalar_type() == at::kLong && q_pos.scalar_type() == at::kLong,
               "decode_attention: positions are int64");
   const bool paged = block_table.has_value();
   const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Hkv = k.size(1);
+  const int64_t W = q8 ? longattn::q8_width(D) : D;  // elements of a stored row
   const int64_t S = paged ? k_pos.size(1) : k.size(2);
   TORCH_CHECK(q.size(2) == 1, "decode_attention: one query per stream");
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "decode_attention: query heads must be a multiple of KV heads");
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == (paged ? 1 : B) && k.size(3) == D,
-              "decode_attention: k/v shapes ([1, Hkv, R, D] pools with a block table)");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == (paged ? 1 : B) && k.size(3) == W,
+              "decode_attention: k/v shapes ([1, Hkv, R, D] pools with a block table; rows of D + 4 * ceil(D / 32) "
+              "for int8)");
   at::Tensor table;
   if (paged) {
     table = block_table->contiguous();
@@ -221,7 +226,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   }
   const int64_t G = H / Hkv;
   // rows must be contiguous; whole-tensor contiguity is not needed (no copy of a cache view)
-  const auto rows_ok = [D](const at::Tensor& t) { return t.stride(3) == 1 && t.stride(2) == D; };
+  const auto rows_ok = [W](const at::Tensor& t) { return t.stride(3) == 1 && t.stride(2) == W; };
   const auto qc = q.contiguous();
   const auto kc = rows_ok(k) ? k : k.contiguous(), vc = rows_ok(v) ? v : v.contiguous();
   const int64_t ksb = kc.stride(0), ksh = kc.stride(1), vsb = vc.stride(0), vsh = vc.stride(1);
@@ -275,7 +280,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   // partial[(b * Hkv + h) * chunks + c][g] = (max, normaliser, numerator[D])
   std::vector<float> part(heads * chunks * G * (D + 2));
   // the AVX-512 loops (same bits) where the CPU has them and rows are whole 512-bit vectors
-  // (float32 rows only: a bfloat16 cache reads through the AVX2 loops, widening each row)
+  // (float32 rows only, q8 rows widened included: a bfloat16 cache reads through the AVX2 loops,
+  // widening each row)
   const bool wide = !bf16 && longattn::use_avx512_dense_attention(isa) && D % 16 == 0;
 
   // Rows with the same paged view (a prefill chunk's queries, run as rows of one stream) go in
@@ -293,12 +299,15 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   groups.push_back(B);
   const int64_t ngroups = static_cast<int64_t>(groups.size()) - 1;
 
-  // the item loop over rows of T (float, or uint16_t holding bfloat16)
+  // the item loop over stored rows of T (float, uint16_t holding bfloat16, or int8_t q8 rows,
+  // which are widened into a per-item float32 tile first and read as float32 rows R)
   const auto items = [&](auto type_tag) {
     using T = decltype(type_tag);
+    constexpr bool kQ8 = std::is_same_v<T, int8_t>;
+    using R = std::conditional_t<kQ8, float, T>;
     at::parallel_for(0, ngroups * Hkv * chunks, 1, [&](int64_t i0, int64_t i1) {
-      std::vector<float> qs, scores, loc;
-      std::vector<const T*> krow, vrow;
+      std::vector<float> qs, scores, loc, kwide, vwide;
+      std::vector<const R*> krow, vrow;
       std::vector<std::vector<int64_t>> idx(kGroupRows);
       std::vector<int64_t> subset;
       std::vector<char> done;
@@ -343,19 +352,30 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
           vrow.resize(n);
           const T* kh = static_cast<const T*>(kp) + (paged ? 0 : b0 * ksb) + h * ksh;  // a pool: one base
           const T* vh = static_cast<const T*>(vp) + (paged ? 0 : b0 * vsb) + h * vsh;
+          if constexpr (kQ8) {
+            kwide.resize(n * D);
+            vwide.resize(n * D);
+          }
           for (int64_t j = 0; j < n; ++j) {
             const int64_t rr = row_of(b0, ix[j]);
-            krow[j] = kh + rr * D;
-            vrow[j] = vh + rr * D;
+            if constexpr (kQ8) {
+              longattn::q8_widen(kh + rr * W, D, kwide.data() + j * D);
+              longattn::q8_widen(vh + rr * W, D, vwide.data() + j * D);
+              krow[j] = kwide.data() + j * D;
+              vrow[j] = vwide.data() + j * D;
+            } else {
+              krow[j] = kh + rr * W;
+              vrow[j] = vh + rr * W;
+            }
           }
           const HeadPasses passes(VG);
           // scores: eight rows at a time, every query head per block (the rows stay in L1)
           int64_t j = 0;
           float s8[8 * kWideHeads];
           bool wide_rows = false;  // the AVX-512 loops read float32 rows only
-          if constexpr (std::is_same_v<T, float>) wide_rows = wide;
+          if constexpr (std::is_same_v<R, float>) wide_rows = wide;
           if (wide_rows) {
-            if constexpr (std::is_same_v<T, float>)
+            if constexpr (std::is_same_v<R, float>)
             for (; j + 8 <= n; j += 8)
               for (int64_t i = 0; i < passes.n; ++i) {
                 const int64_t g0 = passes.first(i), gn = passes.first(i + 1) - g0;
@@ -387,7 +407,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
           for (int64_t r0 = 0; r0 < n; r0 += 32) {
             const int64_t nr = std::min<int64_t>(32, n - r0);
             if (wide_rows) {
-              if constexpr (std::is_same_v<T, float>)
+              if constexpr (std::is_same_v<R, float>)
               for (int64_t i = 0; i < passes.n; ++i) {
                 const int64_t g0 = passes.first(i), gn = passes.first(i + 1) - g0;
                 with_heads<kWideHeads>(gn, [&](auto hh) {
@@ -408,6 +428,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   };
   if (bf16)
     items(uint16_t{});
+  else if (q8)
+    items(int8_t{});
   else
     items(0.0f);
 
