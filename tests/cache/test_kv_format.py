@@ -108,3 +108,22 @@ def test_the_kernels_refuse_an_int8_row_of_the_wrong_width():
     with pytest.raises(RuntimeError, match="k/v shapes"):
         torch.ops.longattn_cpu.decode_attention(q, bad[None], bad[None], torch.zeros(1, 8, dtype=torch.long),
                                                 torch.tensor([[8]]), none, none, 0, 0, 0.125)
+
+
+@pytest.mark.parametrize("D", [64, 256, 80])
+def test_keys_turn_by_an_orthogonal_matrix_that_keeps_every_score_and_spreads_outliers(D):
+    """int8 pools store keys rotated (queries turn with them): q R . k R = q . k, and a key whose
+    few channels dwarf the rest (Qwen2.5's) loses far less to its block scales once rotated."""
+    from longattn.cache.kv_format import key_rotation
+    assert key_rotation(torch.float32, D) is None and key_rotation(torch.bfloat16, D) is None
+    R = key_rotation(torch.int8, D).double()
+    assert torch.allclose(R @ R.T, torch.eye(D, dtype=torch.float64), atol=1e-6)
+    g = torch.Generator().manual_seed(D)
+    q, k = torch.randn(8, D, generator=g, dtype=torch.float64), torch.randn(50, D, generator=g, dtype=torch.float64)
+    k[:, [3, 17]] *= 300  # outlier channels
+    # R is float32: orthogonal to its rounding (exactly, for the Hadamard matrices of powers of two)
+    bound = D * 2 ** -23 * q.norm(dim=1)[:, None] * k.norm(dim=1)[None]
+    assert (((q @ R) @ (k @ R).T - q @ k.T).abs() <= bound).all()
+    plain = (widen(encode(k.float(), torch.int8), D).double() - k) @ q.T
+    turned = (widen(encode((k @ R).float(), torch.int8), D).double() - k @ R) @ (q @ R).T
+    assert turned.abs().mean() < plain.abs().mean() / 2

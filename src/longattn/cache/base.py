@@ -137,12 +137,17 @@ def register_layer_cache(kind: str, factory: Callable) -> None:
 class KVCache:
     """A model's cache: one LayerCache per layer plus the next position of each stream.
 
+    ``key_rotation``: None, or the ``[D, D]`` orthogonal matrix the attention applies to queries
+    and keys before storing and reading (a pool whose format needs it: cache/kv_format.py).
+
     Args:
         cfg: ModelConfig (layer count, KV heads, head_dim).
         batch: number of streams.
         layers: optional list of LayerCache (e.g. ring caches for windowed layers, built by
             ``longattn.cache.make_cache``); default growing everywhere.
     """
+
+    key_rotation = None
 
     def __init__(self, cfg, batch: int = 1, layers: Optional[list] = None, dtype=torch.float32):
         self.cfg = cfg

@@ -12,12 +12,17 @@ Three formats, named as the command line names them (``--kv``):
   (which keep an f16 scale); per token, not per channel, because a decode step appends one
   token's row and never rewrites an older one, so a stored row never changes.
   Widened as ``code * scale`` in float32, the product every reader computes.
+  Keys are stored rotated (``key_rotation``): a few channels of some models' keys (Qwen2.5's)
+  are hundreds of times the rest, and a block's one scale would round the small channels away.
 
 The native kernels (``paged_store`` and ``decode_attention``, ops/csrc) store and read the same
 rows; ``encode`` and ``widen`` here are their references, bit for bit.
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +66,28 @@ def widen(rows: torch.Tensor, head_dim: int, dtype: torch.dtype = torch.float32)
         return rows.to(dtype)
     scale = rows[..., head_dim:].contiguous().view(torch.float32)          # [..., nb]
     return (rows[..., :head_dim].float() * scale.repeat_interleave(Q8_BLOCK, -1)[..., :head_dim]).to(dtype)
+
+
+@lru_cache(maxsize=None)
+def _rotation(head_dim: int) -> torch.Tensor:
+    if head_dim & (head_dim - 1) == 0:  # a power of two: the normalised Sylvester-Hadamard matrix
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < head_dim:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        return (h / head_dim ** 0.5).float()
+    g = torch.Generator().manual_seed(head_dim)  # else a fixed random orthogonal matrix
+    q, r = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=g, dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r))).float()
+
+
+def key_rotation(dtype: torch.dtype, head_dim: int) -> Optional[torch.Tensor]:
+    """``[D, D]`` orthogonal matrix R by which a pool of ``dtype`` stores keys and the attention
+    reading it takes queries (``q R . k R = q . k``: every score is unchanged), or None.
+
+    Only int8 rotates: an orthogonal rotation spreads an outlier channel over every channel of
+    the row (QuaRot, Ashkboos et al. 2024, rotates for the same reason), so a block's scale fits
+    all of its values; float formats store keys as computed."""
+    return _rotation(head_dim) if dtype == torch.int8 else None
 
 
 def format_name(dtype: torch.dtype) -> str:

@@ -31,7 +31,7 @@ import torch
 
 from ..errors import LongattnError, check_int
 from ..ops.attention import PagedRows
-from .kv_format import encode, row_bytes, row_width, widen
+from .kv_format import encode, key_rotation, row_bytes, row_width, widen
 from .base import KVCache, LayerCache
 
 
@@ -330,6 +330,7 @@ class PagedKVCache(KVCache):
         if not streams:
             raise LongattnError("a paged cache needs at least one stream")
         self.pool, self.streams = pool, list(streams)
+        self.key_rotation = key_rotation(pool.dtype, cfg.head_dim)
         memo: dict = {}
         super().__init__(cfg, len(self.streams),
                          layers=[PagedLayerCache(pool, i, self.streams, memo, gather_chunks)

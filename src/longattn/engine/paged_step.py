@@ -28,7 +28,7 @@ import json
 import torch
 
 from ..cache.base import KVView
-from ..cache.kv_format import row_width
+from ..cache.kv_format import key_rotation, row_width
 from ..cache.paged import BlockPool, RowBatch
 from ..errors import LongattnError
 from ..ops import native
@@ -36,7 +36,7 @@ from ..ops.attention import PagedRows, paged_rows_attention
 from ..policy import AttentionPolicy
 from .aot_step import _build, load_package
 
-PAGED_VERSION = "1"  # bump when the exported step's inputs, outputs or structure change
+PAGED_VERSION = "2"  # bump when the exported step's inputs, outputs or structure change
 
 
 def _window_sinks(lp) -> tuple:
@@ -90,8 +90,8 @@ class _RowsKV:
     """The cache the traced step talks to: layer ``l`` stores its rows at ``slots[l]`` and reads
     the pool through ``tables[l]`` and its group's ``kpos``."""
 
-    def __init__(self, pool_k, pool_v, slots, tables, kpos, group_of, block_size):
-        self.pool_k, self.pool_v = pool_k, pool_v
+    def __init__(self, pool_k, pool_v, slots, tables, kpos, group_of, block_size, key_rotation=None):
+        self.pool_k, self.pool_v, self.key_rotation = pool_k, pool_v, key_rotation
         self.slots, self.tables, self.kpos, self.group_of, self.bs = slots, tables, kpos, group_of, block_size
 
     def update(self, layer: int, k, v, pos) -> KVView:
@@ -145,7 +145,12 @@ class _ExportedRows(torch.nn.Module):
 
     def forward(self, tokens, pos, sel, ws, pool_k, pool_v, *rest):
         L = len(self.group_of)
-        kv = _RowsKV(pool_k, pool_v, rest[:L], rest[L:2 * L], rest[2 * L:], self.group_of, self.block_size)
+        G = len(self.groups)
+        # last, where the pool's format rotates keys (kv_format.key_rotation): the rotation, an
+        # input rather than a constant, as the package's constants are the model's tensors
+        rot = rest[2 * L + G] if len(rest) > 2 * L + G else None
+        kv = _RowsKV(pool_k, pool_v, rest[:L], rest[L:2 * L], rest[2 * L:2 * L + G], self.group_of, self.block_size,
+                     rot)
         forward = type(self.model).forward.__wrapped__  # without inference_mode: export traces it
         h = forward(self.model, tokens[:, None], pos[:, None], cache=kv, policy=_RowsPolicy(ws), logits="none")
         x = self.model.model.norm(h[:, 0].index_select(0, sel))
@@ -166,10 +171,17 @@ def _example(model, policy: AttentionPolicy, pool: BlockPool) -> tuple:
     tables = [torch.zeros(R, nb + group_of[layer], dtype=torch.int64) for layer in range(len(policy.layers))]
     kpos = [torch.full((R, (nb + g) * bs), -1, dtype=torch.int64) for g in range(len(groups))]
     return (torch.zeros(R, dtype=torch.int64), torch.arange(R, dtype=torch.int64),
-            torch.arange(S, dtype=torch.int64), window_table(policy), k, torch.zeros_like(k), *slots, *tables, *kpos)
+            torch.arange(S, dtype=torch.int64), window_table(policy), k, torch.zeros_like(k), *slots, *tables, *kpos,
+            *_rotation(pool, cfg))
 
 
-def _dynamic_shapes(policy: AttentionPolicy) -> tuple:
+def _rotation(pool: BlockPool, cfg) -> list:
+    """The step's last input where the pool's format rotates keys: ``[R [D, D]]``, else ``[]``."""
+    rot = key_rotation(pool.dtype, cfg.head_dim)
+    return [] if rot is None else [rot]
+
+
+def _dynamic_shapes(policy: AttentionPolicy, rotates: bool) -> tuple:
     groups = layer_groups(policy)
     rows, sel = torch.export.Dim("rows", min=1, max=1 << 20), torch.export.Dim("sel", min=1, max=1 << 20)
     slots = torch.export.Dim("pool", min=2, max=1 << 40)
@@ -178,7 +190,7 @@ def _dynamic_shapes(policy: AttentionPolicy) -> tuple:
     group_of = {layer: g for g, layers in enumerate(groups) for layer in layers}
     L = len(policy.layers)
     rest = ([{0: rows}] * L + [{0: rows, 1: nb[group_of[layer]]} for layer in range(L)]
-            + [{0: rows, 1: n[g]} for g in range(len(groups))])
+            + [{0: rows, 1: n[g]} for g in range(len(groups))] + [None] * rotates)
     return ({0: rows}, {0: rows}, {0: sel}, None, {1: slots}, {1: slots}, tuple(rest))
 
 
@@ -200,11 +212,12 @@ class PagedStep:
         self.groups = layer_groups(policy)
         self.key = paged_key(model, policy, pool.block_size, pool.dtype)
         self._tables: dict = {}  # (window, sinks) per layer -> its window_table
+        self.rotation = _rotation(pool, model.config)
 
         def build(entry, progress):
             module = _ExportedRows(model, policy, pool.block_size)
-            _build(module, _example(model, policy, pool), _dynamic_shapes(policy), entry, progress,
-                   what="serving step", per="model, format, KV format and machine")
+            _build(module, _example(model, policy, pool), _dynamic_shapes(policy, bool(self.rotation)), entry,
+                   progress, what="serving step", per="model, format, KV format and machine")
 
         self.loader = load_package(model, self.key, build, progress)
 
@@ -220,7 +233,7 @@ class PagedStep:
                 self._tables.clear()
             ws = self._tables[key] = window_table(policy)
         inputs = [batch.tokens, batch.pos, sel, ws, self.pool.k, self.pool.v, *batch.slots, *batch.tables,
-                  *batch.kpos]
+                  *batch.kpos, *self.rotation]
         return self.loader.boxed_run(inputs)[0]
 
 

@@ -4,9 +4,11 @@ Admission is first in, first out: the request at the head of the queue starts on
 is free and the pool can give it the most blocks it can ever hold (``need``, reserved whole, so
 the running requests never exhaust the pool). A finished request's stream may stay in the pool
 (``retain`` of them, least recently used evicted first, and only when admission needs their
-blocks) keyed by the tokens it stored; a new request with the same policy whose prompt shares a
-prefix with one takes it over, cut back to the shared length where every layer still holds what
-a query there reads (``PagedStream.truncate``), and prefills only the rest.
+blocks) with the chained hashes of the tokens it stored (engine/prefix_index.py); a new request
+with the same policy whose prompt shares at least one whole block with one takes it over, cut
+back to the shared length (whole blocks, then the tokens of the next block that agree) where
+every layer still holds what a query there reads (``PagedStream.truncate``), and prefills only
+the rest.
 
 Pure Python over the pool's block counts and the requests' fields: no model, no thread, so it is
 tested on its own (tests/engine/test_scheduler.py). The serving engine (serve/batching.py) runs it
@@ -19,6 +21,7 @@ from collections import OrderedDict
 from typing import Optional
 
 from ..cache.paged import BlockPool, PagedStream
+from .prefix_index import PrefixIndex, block_hashes
 
 
 class Scheduler:
@@ -47,6 +50,8 @@ class Scheduler:
         # address goes to a later one, and a clash would overwrite a retained stream without
         # giving its blocks back
         self.retained: OrderedDict = OrderedDict()
+        self.index = PrefixIndex(pool.block_size)  # the retained streams' block hashes
+        self._head_hashes: tuple = (None, [])  # (request key, its prompt's hashes): the queue's head
         self.reserved = 0  # blocks promised to the running requests
 
     def queued_with(self, incoming: list) -> int:
@@ -76,8 +81,7 @@ class Scheduler:
             keep = reuse[0] if reuse else None
             while not self.fits_with_retained(r, keep) and any(k != keep for k in self.retained):
                 victim = next(k for k in self.retained if k != keep)  # least recently used
-                _, _, st = self.retained.pop(victim)
-                st.release(self.pool)
+                self._unretain(victim).release(self.pool)
             if not self.fits_with_retained(r, keep):
                 break
             self.waiting.pop(0)
@@ -96,24 +100,40 @@ class Scheduler:
         held = sum(s.blocks() for k, (_, _, s) in self.retained.items() if k != keep)
         return len(self.running) < self.max_batch and self.reserved + r.need <= self.pool.num_blocks - held
 
+    def _namespace(self, policy_key, length: int) -> str:
+        """What a sequence's keys were computed under: its policy and, for a long-rope model, its
+        side of the factor switch (a stream is continued only on its own side)."""
+        side = self.rope_switch is not None and length > self.rope_switch
+        return repr((policy_key, side))
+
     def best_reuse(self, r) -> Optional[tuple]:
-        """``(key, n)``: the retained stream sharing the longest usable prefix (n tokens) with
-        ``r.prompt``, or None. Usable: the stream still holds what a query at ``n`` reads."""
+        """``(key, n)``: the retained stream sharing the longest usable prefix (n tokens, at
+        least one whole block) with ``r.prompt``, or None. Usable: the stream still holds what a
+        query at ``n`` reads. Ties go to the least recently used stream."""
+        if self._head_hashes[0] != r.key:  # a waiting head is looked at every step: hashed once
+            self._head_hashes = (r.key, block_hashes(r.prompt, self.pool.block_size,
+                                                     self._namespace(r.policy_key, len(r.prompt))))
+        hashes = self._head_hashes[1]
+        found = self.index.matches(hashes)
         best = None
-        for key, (pk, toks, st) in self.retained.items():
-            if pk != r.policy_key:
-                continue
-            if self.rope_switch is not None and (len(toks) > self.rope_switch) != (len(r.prompt) > self.rope_switch):
-                continue  # its keys carry the other long-rope factors (the server never crosses)
-            n = common_prefix(toks, r.prompt)
+        for key in (k for k in self.retained if k in found):
+            _, toks, st = self.retained[key]
+            start = found[key] * self.pool.block_size
+            n = start + common_prefix(toks[start:], r.prompt[start:])
             n = min(n, len(r.prompt) - 1)  # at least one token is fed: its logits start the reply
             if n > (best[1] if best else 0) and st.can_truncate(n, self.pool):
                 best = (key, n)
         return best
 
+    def _unretain(self, key) -> PagedStream:
+        """Take ``key`` out of the retained streams (and the index); returns its stream."""
+        self.index.remove(key)
+        return self.retained.pop(key)[2]
+
     def _take_over(self, r, key, n: int) -> PagedStream:
         """Continue the retained stream ``key`` from position ``n`` as ``r``'s stream."""
-        _, toks, st = self.retained.pop(key)
+        toks = self.retained[key][1]
+        st = self._unretain(key)
         st.truncate(n, self.pool)
         r.fed = toks[:n]
         r.reused = n
@@ -137,9 +157,9 @@ class Scheduler:
             return
         if keep and self.retain and r.fed:
             self.retained[r.key] = (r.policy_key, r.fed, st)  # r is done: its ids stay as they are
+            self.index.add(r.key, self._namespace(r.policy_key, len(r.fed)), r.fed)
             while len(self.retained) > self.retain:
-                _, (_, _, old) = self.retained.popitem(last=False)
-                old.release(self.pool)
+                self._unretain(next(iter(self.retained))).release(self.pool)
         else:
             st.release(self.pool)
 

@@ -333,6 +333,9 @@ class Attention(nn.Module):
                 shared[self.rope_key] = (cos, sin)
         q = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype))
         k = apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
+        rot = getattr(cache, "key_rotation", None)
+        if rot is not None:  # a pool storing rotated keys (int8): queries turn with them, scores stay
+            q, k = q @ rot.to(q.dtype), k @ rot.to(k.dtype)
         if cache is not None:
             view = cache.update(self.layer, k, v, pos)
             if self.rope_switch is not None and view.state is not None:
