@@ -18,7 +18,7 @@ adds an arm on prompts longer than W: longattn with ``--policy global --window W
 (the layers the checkpoint leaves global read W keys and 4 sinks; trained windows stay).
 The default step is the one built ahead of time: the untimed round 0 builds it (``--cold``
 includes its build), so the timed runs load it. ``--eager`` adds an arm decoding with the
-eager step (``--compile none``).
+eager step (``--compile none``), ``--kv F ...`` an arm per KV pool format (``--kv F``).
 
     python benchmarks/first_token.py --threads 2 --llamacpp-python /path/to/venv/bin/python
 
@@ -126,6 +126,8 @@ def main():
                     help="add a window + 4 sinks arm on prompts longer than this window")
     ap.add_argument("--eager", action="store_true",
                     help="add an arm decoding with the eager step (--compile none)")
+    ap.add_argument("--kv", nargs="*", default=[], choices=["f32", "bf16", "int8"],
+                    help="add an arm per KV pool format (generate --kv F)")
     ap.add_argument("--out", default=str(RESULTS / "first_token.json"))
     args = ap.parse_args()
 
@@ -156,6 +158,8 @@ def main():
                 arms = {"longattn": [longattn_bin, "generate", "--model", name, "--prompt-file", str(f),
                                      "--max-new-tokens", str(args.new_tokens), "--threads", str(args.threads),
                                      "--json"]}
+                for kv in args.kv:
+                    arms[f"longattn-kv-{kv}"] = arms["longattn"][:-1] + ["--kv", kv, "--json"]
                 if args.eager:
                     arms["longattn-eager"] = arms["longattn"][:-1] + ["--compile", "none", "--json"]
                 if args.window and n > args.window:

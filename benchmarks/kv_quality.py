@@ -1,14 +1,15 @@
-"""Quality cost of the server's KV pool formats: bits/token with keys and values stored as
-bfloat16 against float32, through the paged cache the server runs.
+"""Quality cost of the KV pool formats: bits/token with keys and values stored as bfloat16 or
+int8 (q8: a float32 scale per 32 values) against float32, through the paged cache the server and
+``generate`` run.
 
     python benchmarks/kv_quality.py --threads 2 [--models ...] [--tokens 2048] [--passages 3]
 
 For every model (default weights, ``auto``), passage and policy (the checkpoint's attention,
 and window 256 + 4 sinks on every layer): the passage is prefilled in chunks of 256 through a
-``PagedKVCache`` whose pool stores ``f32`` or ``bf16``, and bits/token of next-token
+``PagedKVCache`` whose pool stores ``f32``, ``bf16`` or ``int8``, and bits/token of next-token
 prediction is taken over positions 1..N-1. Passages as in weights_quality.py (one per bundled
 book, from 20% into its body). Writes benchmarks/results/kv_quality.json (or --out): per model
-and policy both formats' bits/token and their difference. Quality only: nothing is timed.
+and policy every format's bits/token and its difference from f32. Quality only: nothing is timed.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from longattn.checkpoint.prepared import prepared_model
 from longattn.engine.session import Session
 from longattn.lab.stream import nll_bits
 from longattn.policy import AttentionPolicy
-from longattn.serve.batching import KV_FORMATS
+from longattn.cache.kv_format import KV_FORMATS
 
 
 def bits(model, policy, ids: list, kv: str, chunk: int = 256, block_size: int = 16) -> float:
@@ -57,12 +58,13 @@ def main():
         for pname, policy in (("checkpoint", AttentionPolicy.from_config(ck.config)),
                               ("window 256 + 4 sinks", AttentionPolicy.build(ck.config, "window", window=256, sinks=4))):
             per = {kv: [bits(model, policy, ids, kv) for _, ids in texts] for kv in KV_FORMATS}
-            f32, bf16 = (sum(v) / len(v) for v in (per["f32"], per["bf16"]))
+            mean = {kv: sum(v) / len(v) for kv, v in per.items()}
             row = {"model": name, "policy": pname, "tokens": args.tokens, "passages": [p for p, _ in texts],
-                   "f32": f32, "bf16": bf16, "bf16_minus_f32": bf16 - f32,
-                   "per_passage": {kv: v for kv, v in per.items()}}
+                   **mean, **{f"{kv}_minus_f32": mean[kv] - mean["f32"] for kv in KV_FORMATS if kv != "f32"},
+                   "per_passage": per}
             rows.append(row)
-            print(f"{name:13s} {pname:22s} f32 {f32:.4f}  bf16 {bf16:.4f}  ({bf16 - f32:+.4f} bits/token)", flush=True)
+            print(f"{name:13s} {pname:22s} f32 {mean['f32']:.4f}  " + "  ".join(
+                f"{kv} {mean[kv]:.4f} ({mean[kv] - mean['f32']:+.4f})" for kv in KV_FORMATS if kv != "f32"), flush=True)
     write_result(args.out, {"threads": args.threads, "results": rows})
     print(f"wrote {args.out}")
 

@@ -97,3 +97,43 @@ def test_retained_streams_are_evicted_least_recently_used_first_but_never_the_on
 def test_common_prefix():
     assert common_prefix([1, 2, 3], [1, 2, 4]) == 2 and common_prefix([], [1]) == 0
     assert common_prefix([5], [5]) == 1
+
+
+def test_block_hashes_chain_every_earlier_block_and_name_their_namespace():
+    from longattn.engine.prefix_index import PrefixIndex, block_hashes
+    a = block_hashes(range(10), 4, "p")
+    assert len(a) == 2 and a == block_hashes(list(range(10)), 4, "p")  # full blocks only, stable
+    assert block_hashes([0, 1, 2, 3, 9, 5, 6, 7], 4, "p")[0] == a[0]
+    assert block_hashes([0, 1, 2, 3, 9, 5, 6, 7], 4, "p")[1] != a[1]
+    assert block_hashes([9, 1, 2, 3, 4, 5, 6, 7], 4, "p")[1] != a[1]  # a change earlier changes every later hash
+    assert block_hashes(range(10), 4, "q")[0] != a[0]                # another policy never matches
+    idx = PrefixIndex(4)
+    idx.add("x", "p", list(range(10)))
+    idx.add("y", "p", list(range(4)) + [7] * 8)
+    assert idx.matches(block_hashes(list(range(12)), 4, "p")) == {"x": 2, "y": 1}
+    assert idx.matches(block_hashes([7] * 12, 4, "p")) == {}
+    idx.remove("x")
+    assert idx.matches(block_hashes(list(range(12)), 4, "p")) == {"y": 1} and len(idx) == 1
+    idx.remove("y")
+    assert not idx._holders  # nothing left behind
+
+
+def test_reuse_needs_a_whole_shared_block_and_never_crosses_policies():
+    pool = BlockPool(60, 4, 1, 2, torch.float32)
+    s = Scheduler(pool, max_batch=4, retain=4, rewind=0)
+    for key, (prompt, pk) in enumerate((([1, 2, 3, 4, 5, 6], ()), ([1, 2, 3, 9, 9, 9], ()),
+                                        ([1, 2, 3, 4, 5, 6, 7, 8, 9], ("window", 8)))):
+        r = _Req(prompt, 4, key, policy_key=pk)
+        s.waiting.append(r)
+        s.admit()
+        _store(pool, r, len(prompt))
+        s.retire(r, keep=True)
+    short = _Req([1, 2, 3, 7, 7], 4, 10)  # 3 tokens shared: less than a block
+    s.waiting.append(short)
+    s.admit()
+    assert short.reused == 0 and len(s.retained) == 3
+    s.retire(short, keep=False)
+    longer = _Req([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 6, 11)  # the window stream shares more, but not its policy
+    s.waiting.append(longer)
+    s.admit()
+    assert longer.reused == 6 and 0 not in s.retained and 2 in s.retained
