@@ -35,7 +35,7 @@ def tiny_gguf(tmp_path_factory) -> Path:
 @pytest.fixture
 def cli(tmp_path, monkeypatch, capsys):
     """``cli(*args)`` runs `longattn ARGS` in this process on a private cache (native kernels
-    off, unless an earlier test loaded them) -> namespace(returncode, stderr, cache)."""
+    off, unless an earlier test loaded them) -> namespace(returncode, stderr, stdout, cache)."""
     from longattn.cli.main import main
     from longattn.ops import native
     cache = tmp_path / "cache"
@@ -49,8 +49,8 @@ def cli(tmp_path, monkeypatch, capsys):
             code = main([str(a) for a in args])
         except SystemExit as e:  # argparse
             code = e.code
-        err = capsys.readouterr().err
-        return SimpleNamespace(returncode=code, stderr=err, cache=cache)
+        out = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stderr=out.err, stdout=out.out, cache=cache)
     return run
 
 
@@ -124,6 +124,19 @@ def test_a_bad_model_name_is_refused_before_the_kernels_build(tmp_path):
 
 def test_stream_chunk_zero_refused_like_generate(cli, tiny_gguf):
     _refused(cli("stream", "--model", tiny_gguf, "--chunk", 0), "--chunk must be >= 1", [])
+
+
+def test_stream_kv_bf16_runs_and_is_refused_where_caches_are_read_as_float32(cli, tiny_gguf, tmp_path):
+    import json
+    text = _text_file(tmp_path, "the cat sat on the mat. " * 8)
+    for extra, needle in ((["--reindex"], "--kv bf16"), (["--policy", "sparse"], "--kv bf16")):
+        _refused(cli("stream", "--model", tiny_gguf, "--file", text, "--kv", "bf16", *extra), needle, [])
+    runs = {}
+    for kv in ("f32", "bf16"):
+        r = cli("stream", "--model", tiny_gguf, "--file", text, "--kv", kv, "--json")
+        assert r.returncode == 0, r.stderr
+        runs[kv] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert runs["bf16"]["kv"] == "bf16" and runs["bf16"]["max_cache_bytes"] * 2 == runs["f32"]["max_cache_bytes"]
 
 
 def test_prompt_past_trained_context(cli, tiny_gguf):

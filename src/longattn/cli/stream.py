@@ -25,6 +25,9 @@ def add_parser(sub) -> None:
                    help="positions within the cache (StreamingLLM style) instead of absolute")
     p.add_argument("--cache", choices=["auto", "bounded", "growing"], default="auto",
                    help="auto: ring caches on windowed layers, growing elsewhere")
+    p.add_argument("--kv", choices=["f32", "bf16"], default="f32",
+                   help="how the caches store keys and values: f32 (the reference the lab measures "
+                        "against) or bf16 (half the bytes; read widened, exactly)")
     add_policy_args(p)
     add_context_arg(p)
     add_json_arg(p)
@@ -44,13 +47,15 @@ def tokenize_text(tok, text: str, max_tokens=None, repeat: int = 1):
 
 
 def stream_run(model, ids, policy, chunk: int = 256, cache_kind: str = "auto", reindex: bool = False,
-               quiet: bool = False, desc: str = "stream"):
+               quiet: bool = False, desc: str = "stream", kv: str = "f32"):
     """Score ``ids [N]`` through ``model`` under ``policy`` in bounded memory, with a progress
-    bar on stderr; returns lab.stream's StreamResult."""
+    bar on stderr; returns lab.stream's StreamResult. ``kv``: the caches' storage format."""
     from tqdm import tqdm
     from ..cache.factory import make_cache
+    from ..cache.kv_format import KV_FORMATS
     from ..lab.stream import stream_score
-    cache = make_cache(model.config, policy, batch=1, kind=cache_kind, model=model, reindex=reindex)
+    cache = make_cache(model.config, policy, batch=1, kind=cache_kind, model=model, reindex=reindex,
+                       dtype=KV_FORMATS[kv])
     bar = tqdm(total=int(ids.numel()), unit="tok", desc=desc, disable=quiet, file=sys.stderr,
                dynamic_ncols=True)
 
@@ -72,6 +77,9 @@ def run(args) -> int:
         raise LongattnError("--repeat must be >= 1")
     if args.max_tokens is not None and args.max_tokens < 2:
         raise LongattnError("--max-tokens must be >= 2")
+    if args.kv != "f32" and (args.reindex or args.policy in ("sparse", "auto")):
+        raise LongattnError(f"--kv {args.kv} runs window and dense layers at absolute positions; "
+                            "--reindex and sparse policies read float32 caches (use --kv f32)")
     text = read_text_file(args.file, "--file") if args.file else all_books_text()
     ck = open_checkpoint(args)
     policy = policy_from_args(ck.config, args)
@@ -83,10 +91,10 @@ def run(args) -> int:
     check_token_ids(ck.config, ids.tolist())
     check_context(ck.config, policy, int(ids.numel()), args, f"the text ({ids.numel()} tokens)")
     model = model_for(ck, args)
-    res = stream_run(model, ids, policy, args.chunk, args.cache, args.reindex)
+    res = stream_run(model, ids, policy, args.chunk, args.cache, args.reindex, kv=args.kv)
     out = res.to_dict()
     out.update(model=ck.name, window=args.window, sinks=args.sinks, policy=args.policy,
-               reindex=args.reindex, scored_positions="1..N-1", threads=args.threads)
+               reindex=args.reindex, kv=args.kv, scored_positions="1..N-1", threads=args.threads)
     print(f"{ck.name}: {res.tokens} tokens, {res.bits_per_token:.4f} bits/token (positions 1..N-1), "
           f"{out['tok_s']:.1f} tok/s, cache {res.cache_bytes / 2**20:.2f} MiB "
           f"(max {res.max_cache_bytes / 2**20:.2f}), peak RSS {res.peak_rss_bytes / 2**20:.0f} MiB")

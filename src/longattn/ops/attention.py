@@ -102,9 +102,10 @@ class PagedRows(NamedTuple):
 
 def fused_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap,
                   sink_logits: Optional[torch.Tensor] = None) -> bool:
-    """The C++ decode kernel serves one float32 query per stream without soft-capping (learned
-    sink logits, float32, included)."""
-    return (q.shape[2] == 1 and softcap is None and q.dtype == k.dtype == v.dtype == torch.float32
+    """The C++ decode kernel serves one float32 query per stream without soft-capping over a
+    float32 or bfloat16 cache (learned sink logits, float32, included)."""
+    return (q.shape[2] == 1 and softcap is None and q.dtype == torch.float32 and k.dtype == v.dtype
+            and k.dtype in (torch.float32, torch.bfloat16)
             and (sink_logits is None or sink_logits.dtype == torch.float32) and native.available())
 
 
@@ -143,8 +144,11 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         # a bfloat16 pool widens exactly; an int8 pool's rows widen as the kernels widen them
         from ..cache.kv_format import widen
         k, v = (widen(x.gather(), q.shape[-1], q.dtype) for x in (k, v))
-    if fused and fused_applies(q, k, v, softcap, sink_logits):
-        none = k[:, :, :0]  # no separate own key: the cache already holds it
+    use_fused = fused and fused_applies(q, k, v, softcap, sink_logits)
+    if k.dtype != q.dtype and not use_fused:  # a bfloat16 cache widens exactly
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    if use_fused:
+        none = q.new_empty(k.shape[0], k.shape[1], 0, k.shape[3])  # no separate own key: the cache holds it
         return torch.ops.longattn_cpu.decode_attention(q, k, v, k_pos, q_pos, none, none,
                                                        window or 0, sinks, float(scale), sink_logits)
     if _banded_applies(q, q_pos, k_pos, window, softcap, banded_min_tokens):
