@@ -42,7 +42,7 @@ def row_width(dtype: torch.dtype, head_dim: int) -> int:
 
 def row_bytes(dtype: torch.dtype, head_dim: int) -> int:
     """Bytes one stored row of ``head_dim`` values takes."""
-    return row_width(dtype, head_dim) * torch.empty((), dtype=dtype).element_size()
+    return row_width(dtype, head_dim) * dtype.itemsize
 
 
 def encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -88,8 +88,3 @@ def key_rotation(dtype: torch.dtype, head_dim: int) -> Optional[torch.Tensor]:
     the row (QuaRot, Ashkboos et al. 2024, rotates for the same reason), so a block's scale fits
     all of its values; float formats store keys as computed."""
     return _rotation(head_dim) if dtype == torch.int8 else None
-
-
-def format_name(dtype: torch.dtype) -> str:
-    """``f32`` / ``bf16`` / ``int8`` for a pool's dtype."""
-    return next(k for k, v in KV_FORMATS.items() if v == dtype)

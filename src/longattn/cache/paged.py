@@ -31,10 +31,8 @@ import torch
 
 from ..errors import LongattnError, check_int
 from ..ops.attention import PagedRows
-from .kv_format import encode, key_rotation, row_bytes, row_width, widen
 from .base import KVCache, LayerCache
-
-
+from .kv_format import encode, key_rotation, row_bytes, row_width
 
 
 class PoolExhausted(LongattnError):
@@ -281,7 +279,7 @@ class PagedLayerCache(LayerCache):
         pool.v[:, slots_t] = encode(vv, pool.dtype)
         k_all, v_all, k_pos = self._view(ends)
         if self.gather_chunks and k.shape[2] > 1:
-            k_all, v_all = (widen(x.gather(), k.shape[3], k.dtype) for x in (k_all, v_all))
+            k_all, v_all = (x.widened(k.shape[3], k.dtype) for x in (k_all, v_all))
         for st, end in zip(self.streams, ends):
             st.free_out_of_window(self.layer, end, pool)
         return k_all, v_all, k_pos

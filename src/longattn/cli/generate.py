@@ -97,7 +97,8 @@ def run(args) -> int:
         raise LongattnError("--policy auto never calibrates (it engages SCSA only with taus kept by an "
                             "earlier run); calibrate with --policy sparse --sparse-calibrate")
     from ..ops import native
-    if args.kv in ("bf16", "int8") and args.compile in ("none", "jit"):
+    pool_format = args.kv not in (None, "f32")  # a format only the compiled paged step stores
+    if pool_format and args.compile in ("none", "jit"):
         raise LongattnError(f"--kv {args.kv} is a format of the compiled step's KV pool; --compile {args.compile} "
                             "stores f32 (drop --kv, or use --compile aot)")
     if args.compile == "aot":  # refused here, before anything is read or built
@@ -145,7 +146,7 @@ def run(args) -> int:
                 # the server's step (windows are its inputs); a model it cannot run (a rope that
                 # follows the sequence length) takes the fixed-shape step built for its policy
                 why = unsupported(model, policy)
-                if why is not None and args.kv in ("bf16", "int8"):
+                if why is not None and pool_format:
                     raise LongattnError(f"--kv {args.kv} needs the compiled paged step, which cannot run here: {why}")
                 if why is None:
                     kv = args.kv or "bf16"
@@ -153,7 +154,7 @@ def run(args) -> int:
                 else:
                     session = StaticDecoder(model, policy, max_len=max_len, compile="aot")
             except AOTBuildError as e:
-                if not chosen or args.kv in ("bf16", "int8"):  # asked for by name: refused in one line
+                if not chosen or pool_format:  # asked for by name: refused in one line
                     raise
                 # the default: the same answer from the eager step, a little slower
                 print(f"-- the ahead-of-time decode step could not be built ({e.reason}); decoding with "

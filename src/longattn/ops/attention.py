@@ -99,6 +99,12 @@ class PagedRows(NamedTuple):
         blocks = self.pool[0].view(H, -1, self.block_size, D).index_select(1, self.table.reshape(-1))
         return blocks.view(H, B, nb * self.block_size, D)[:, :, :self.length].transpose(0, 1).contiguous()
 
+    def widened(self, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+        """``gather()`` as values of ``dtype``, ``[B, Hkv, N, head_dim]``: a bfloat16 pool widens
+        exactly; an int8 pool's rows widen as the kernels widen them."""
+        from ..cache.kv_format import widen
+        return widen(self.gather(), head_dim, dtype)
+
 
 def fused_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap,
                   sink_logits: Optional[torch.Tensor] = None) -> bool:
@@ -141,9 +147,7 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if isinstance(k, PagedRows):
         if fused and paged_fused_applies(q, k.pool, sink_logits):
             return paged_rows_attention(q, q_pos, k, v, k_pos, window, sinks, scale, sink_logits, softcap)
-        # a bfloat16 pool widens exactly; an int8 pool's rows widen as the kernels widen them
-        from ..cache.kv_format import widen
-        k, v = (widen(x.gather(), q.shape[-1], q.dtype) for x in (k, v))
+        k, v = (x.widened(q.shape[-1], q.dtype) for x in (k, v))
     use_fused = fused and fused_applies(q, k, v, softcap, sink_logits)
     if k.dtype != q.dtype and not use_fused:  # a bfloat16 cache widens exactly
         k, v = k.to(q.dtype), v.to(q.dtype)

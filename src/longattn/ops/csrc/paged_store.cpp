@@ -21,6 +21,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "avx2_util.h"
+
 namespace {
 
 // One q8 row (cache/kv_format.py) of D values: codes, then a float32 scale per 32.
@@ -45,7 +47,7 @@ void store_one(at::Tensor& pool, const at::Tensor& slots, const at::Tensor& x) {
               "paged_store: slots must be int64 [M]");
   const bool q8 = pool.scalar_type() == at::kChar;
   const int64_t H = pool.size(0), R = pool.size(1), D = x.size(2), M = x.size(0);
-  const int64_t W = q8 ? D + 4 * ((D + 31) / 32) : D;  // elements of a stored row
+  const int64_t W = q8 ? longattn::q8_width(D) : D;  // elements of a stored row
   TORCH_CHECK(x.size(1) == H && pool.size(2) == W, "paged_store: rows and pool disagree on heads or head size");
   const at::Tensor xc = x.contiguous(), sc = slots.contiguous();
   const float* xp = xc.data_ptr<float>();
