@@ -52,8 +52,10 @@ def engine_greedy(model, policy, prompt, n, cache=None):
     return toks
 
 
-def assert_matches_engine(family, hf_cache_fn, policy_fn, n=24, engine_cache_fn=None):
-    """HF generate with the longattn cache vs longattn's engine (float32 and float64)."""
+def assert_matches_engine(family, hf_cache_fn, policy_fn, n=24, engine_cache_fn=None, floor_fn=None):
+    """HF generate with the longattn cache vs longattn's engine (float32 and float64).
+    ``floor_fn(m32, pol32, tokens)``: an error source the float32 comparison does not show, as
+    ``tolerance.derived_bound``'s floor."""
     hf = hf_model(family)
     tokens, hf_logits = hf_greedy(hf, hf_cache_fn(hf), PROMPT, n)
     lh.detach(hf)
@@ -65,7 +67,8 @@ def assert_matches_engine(family, hf_cache_fn, policy_fn, n=24, engine_cache_fn=
     ref = engine_logits(m64, pol64, PROMPT, tokens, c64)
     err32 = (engine_logits(m32, pol32, PROMPT, tokens, c32) - ref).abs().max().item()
     err_hf = (hf_logits - ref).abs().max().item()
-    assert err_hf <= 2 * err32, f"{family}: HF {err_hf:.3e} vs engine float32 {err32:.3e}"
+    floor = floor_fn(m32, pol32, tokens) if floor_fn else 0.0
+    assert err_hf <= 2 * err32 + floor, f"{family}: HF {err_hf:.3e} vs engine float32 {err32:.3e} (+ {floor:.3e})"
     return err_hf, err32
 
 
@@ -155,6 +158,48 @@ def test_shifting_sink_cache_equals_engine_reindex(family, window, sinks):
         family, lambda hf: lh.apply(hf, window=window, sinks=sinks, layers="all", shift=True),
         lambda cfg: AttentionPolicy.build(cfg, "window", window=window, sinks=sinks),
         engine_cache_fn=_reindexed)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "int8"])
+@pytest.mark.parametrize("family,window,sinks,shift", [("llama", 5, 2, False), ("gemma3", 6, 3, False),
+                                                       ("qwen2", 7, 3, True)])
+def test_kv_formats_equal_engine_caches_of_the_same_format(kv, family, window, sinks, shift):
+    """apply(kv=...): the cache stores keys and values as longattn's own caches of that format do
+    (int8 keys rotated, queries turned with them; shifted sinks re-rotated through the storage
+    rotation), so transformers' generate gives the engine's tokens on a cache of the same format.
+
+    Logits: a key within float32 rounding of a bfloat16 or q8 rounding boundary may round either
+    way in two float32 implementations, so the floor is the format's whole effect on the engine's
+    logits (format against f32 storage, same tokens); a query left unturned, or rows stored in
+    another format, costs far more than that."""
+    from longattn.cache.kv_format import KV_FORMATS
+
+    def engine_cache(model, policy, dtype=KV_FORMATS[kv]):
+        return make_cache(model.config, policy, model=model, reindex=shift, dtype=dtype)
+
+    def format_effect(m32, pol32, tokens):
+        fmt = engine_logits(m32, pol32, PROMPT, tokens, engine_cache(m32, pol32))
+        f32 = engine_logits(m32, pol32, PROMPT, tokens, engine_cache(m32, pol32, torch.float32))
+        return (fmt - f32).abs().max().item()
+    assert_matches_engine(
+        family, lambda hf: lh.apply(hf, window=window, sinks=sinks, layers="all", shift=shift, kv=kv),
+        lambda cfg: AttentionPolicy.build(cfg, "window", window=window, sinks=sinks),
+        engine_cache_fn=engine_cache, floor_fn=format_effect)
+
+
+def test_kv_format_cache_holds_its_formats_bytes_and_refuses_what_it_cannot_serve():
+    from longattn.cache.kv_format import row_bytes
+    hf = hf_model("llama")
+    D, Hkv = hf.config.head_dim, hf.config.num_key_value_heads
+    for kv, dtype in (("bf16", torch.bfloat16), ("int8", torch.int8)):
+        cache = lh.apply(hf, window=6, sinks=2, layers="all", kv=kv)
+        hf_greedy(hf, cache, PROMPT, 4)
+        assert cache.nbytes() == hf.config.num_hidden_layers * 2 * Hkv * 8 * row_bytes(dtype, D)
+    with pytest.raises(LongattnError, match="kv must be one of f32, bf16, int8"):
+        lh.apply(hf, window=6, kv="fp8")
+    with pytest.raises(LongattnError, match="indexes float32 keys"):
+        lh.apply(hf, "sparse", kv="int8")
+    lh.detach(hf)
 
 
 def _evict_run(step, evict, prompt, span, n, forced=None):

@@ -271,21 +271,28 @@ def test_cli_quality_smoke(tmp_path):
     assert by[24] == doc["baseline"]["bits_per_token"] and by[4] != by[24]
 
 
-def test_cli_cache_smoke_tiny_hybrid(tmp_path):
+@pytest.mark.parametrize("kv", ["float32", "int8"])
+def test_cli_cache_smoke_tiny_hybrid(tmp_path, kv):
     from conftest import tiny_dir
     d = tiny_dir("gemma3")  # no tokenizer needed: caches are filled with random K/V
-    doc = _smoke(tmp_path, "cache", ["--models", d, "--contexts", "4,9,40", "--window", "4", "--sinks", "2"],
-                 ["rows", "mismatches"])
-    assert doc["mismatches"] == 0 and all(r["match"] for r in doc["rows"])
+    doc = _smoke(tmp_path, "cache", ["--models", d, "--contexts", "4,9,40", "--window", "4", "--sinks", "2",
+                                     "--kv-dtype", kv], ["rows", "mismatches"])
+    assert doc["mismatches"] == 0 and all(r["match"] for r in doc["rows"]) and doc["kv_dtype"] == kv
     assert {r["policy"] for r in doc["rows"]} >= {"dense", "checkpoint (hybrid)", "window 4 + 2 sinks"}
 
 
 def test_cli_scaling_smoke_tiny(tmp_path):
     from conftest import tiny_dir
-    doc = _smoke(tmp_path, "scaling", ["--model", tiny_dir("llama"), "--decode-contexts", "16,40",
-                                       "--prefill-contexts", "64", "--window", "8", "--repeats", "1",
-                                       "--prefill-repeats", "1", "--threads", "1"], ["decode", "prefill", "threads"])
+    from longattn.cache.kv_format import row_bytes
+    docs = [_smoke(tmp_path / kv, "scaling", ["--model", tiny_dir("llama"), "--decode-contexts", "16,40",
+                                              "--prefill-contexts", "64", "--window", "8", "--repeats", "1",
+                                              "--prefill-repeats", "1", "--threads", "1", "--kv", kv],
+                   ["decode", "prefill", "threads"]) for kv in ("f32", "int8")]
+    doc = docs[0]
     assert doc["threads"] == 1 and len(doc["decode"]["ring_ms"]) == 2 and len(doc["prefill"]["banded_ms"]) == 1
+    D = 16  # the tiny llama's head size
+    assert docs[1]["kv"] == "int8" and [b * 4 * D for b in docs[1]["decode"]["growing_cache_bytes"]] == \
+        [b * row_bytes(torch.int8, D) for b in doc["decode"]["growing_cache_bytes"]]
 
 
 @pytest.mark.real

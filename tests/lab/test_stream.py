@@ -69,27 +69,14 @@ def test_stream_growing_cache_grows():
     assert cache.tokens() == [300] * m.config.num_layers
 
 
-@pytest.mark.parametrize("Tq,window,sinks", [(1, None, 0), (1, 8, 2), (24, None, 0), (24, 8, 2), (40, 16, 4),
-                                             (40, None, 0)])
-def test_a_bfloat16_cache_reads_as_its_widened_copy(Tq, window, sinks):
-    """``stream --kv bf16``: every attention path (the fused decode kernel, causal, banded and
-    masked prefill) reads a bfloat16 cache as the float32 cache holding the same values."""
-    from longattn.ops.attention import attend
-    g = torch.Generator().manual_seed(Tq)
-    B, H, Hkv, S, D = 1, 6, 2, 40, 32
-    k, v = (torch.randn(B, Hkv, S, D, generator=g).bfloat16() for _ in range(2))
-    q = torch.randn(B, H, Tq, D, generator=g)
-    k_pos, q_pos = torch.arange(S)[None], torch.arange(S - Tq, S)[None]
-    got = attend(q, q_pos, k, v, k_pos, window, sinks, D ** -0.5, banded_min_tokens=16)
-    want = attend(q, q_pos, k.float(), v.float(), k_pos, window, sinks, D ** -0.5, banded_min_tokens=16)
-    assert got.dtype == torch.float32 and torch.equal(got, want)
-
-
-def test_a_stream_through_bfloat16_caches_holds_half_the_bytes():
+def test_streams_through_bfloat16_and_int8_caches_hold_their_formats_bytes():
+    from longattn.cache.kv_format import row_bytes
     m = tiny_model("llama")
     pol = AttentionPolicy.build(m.config, "window", window=8, sinks=2)
     ids = _ids(120, seed=3)
     res = {dt: stream_score(m, ids, pol, make_cache(m.config, pol, kind="auto", dtype=dt), chunk=16)
-           for dt in (torch.float32, torch.bfloat16)}
-    assert res[torch.bfloat16].max_cache_bytes * 2 == res[torch.float32].max_cache_bytes
-    assert torch.isfinite(torch.tensor(res[torch.bfloat16].bits_per_token))
+           for dt in (torch.float32, torch.bfloat16, torch.int8)}
+    D = m.config.head_dim
+    for dt in (torch.bfloat16, torch.int8):
+        assert res[dt].max_cache_bytes * 4 * D == res[torch.float32].max_cache_bytes * row_bytes(dt, D)
+        assert torch.isfinite(torch.tensor(res[dt].bits_per_token))

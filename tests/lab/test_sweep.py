@@ -186,6 +186,29 @@ def test_cli_sweeps_resume_and_report(text_model, tmp_path, capsys):
     assert "[95% CI]" in page
 
 
+def test_cli_quality_and_retrieval_on_quantized_caches(text_model, tmp_path, capsys):
+    """--kv runs every arm (the baseline too) on caches of that format: a window that never
+    wraps (rings) still equals the baseline (growing caches) bit for bit, and the format's
+    rounding moves bits/token a little from f32's."""
+    from longattn.cli.main import main
+    base = ["quality", "--model", text_model, "--passages", "2", "--length", "40", "--windows", "8,64",
+            "--sinks", "0", "--threads", "1", "--json"]
+    docs = {}
+    for kv in ("f32", "int8"):
+        assert main(base + ["--kv", kv, "--out", str(tmp_path / kv)]) == 0
+        docs[kv] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    q = docs["int8"]
+    assert q["kv"] == "int8" and q["rows"][1]["bits_per_token"] == q["baseline"]["bits_per_token"]
+    assert 0 < abs(q["baseline"]["bits_per_token"] - docs["f32"]["baseline"]["bits_per_token"]) < 0.1
+    r = ["retrieval", "--model", text_model, "--tasks", "passkey", "--distances", "40", "--length", "400",
+         "--samples", "1", "--window", "16", "--sinks", "2", "--max-new-tokens", "2", "--threads", "1",
+         "--out", str(tmp_path / "r"), "--json", "--kv", "bf16"]
+    assert main(r) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["kv"] == "bf16"
+    assert main(r + ["--scsa"]) == 2
+    assert "indexes float32 keys" in _one_error_line(capsys)
+
+
 def _one_error_line(capsys) -> str:
     lines = [l for l in capsys.readouterr().err.strip().splitlines() if l.strip()]
     assert len(lines) == 1 and lines[0].startswith("longattn: error:"), lines

@@ -15,6 +15,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from ..ops.attention import MaskMemo
+from .kv_format import encode, key_rotation, row_width
 
 
 class KVView(NamedTuple):
@@ -75,7 +76,8 @@ class GrowingLayerCache(LayerCache):
     """Append-only cache; capacity doubles so appends are amortised O(1).
 
     Slots hold tokens in arrival order; padding tokens (pos < 0) occupy a slot but are
-    never read. ``view`` returns the filled prefix.
+    never read. ``view`` returns the filled prefix. ``dtype`` is the storage format
+    (cache/kv_format.py): a slot holds ``row_width(dtype, head_dim)`` elements, rows as stored.
     """
 
     def __init__(self, batch: int, kv_heads: int, head_dim: int, dtype=torch.float32,
@@ -83,7 +85,8 @@ class GrowingLayerCache(LayerCache):
         self.B, self.H, self.D, self.dtype = batch, kv_heads, head_dim, dtype
         self.exact_capacity = exact_capacity  # grow to exactly what is needed (byte reports)
         self.len = 0
-        self.k = torch.zeros(batch, kv_heads, initial, head_dim, dtype=dtype)
+        self.W = row_width(dtype, head_dim)  # elements of a stored row
+        self.k = torch.zeros(batch, kv_heads, initial, self.W, dtype=dtype)
         self.v = torch.zeros_like(self.k)
         self.pos = torch.full((batch, initial), -1, dtype=torch.int64)
 
@@ -92,7 +95,7 @@ class GrowingLayerCache(LayerCache):
         if n <= cap:
             return
         new = n if self.exact_capacity else max(n, 2 * cap)
-        k = torch.zeros(self.B, self.H, new, self.D, dtype=self.dtype)
+        k = torch.zeros(self.B, self.H, new, self.W, dtype=self.dtype)
         v = torch.zeros_like(k)
         p = torch.full((self.B, new), -1, dtype=torch.int64)
         k[:, :, : self.len] = self.k[:, :, : self.len]
@@ -104,8 +107,8 @@ class GrowingLayerCache(LayerCache):
         T = k.shape[2]
         self._reserve(self.len + T)
         s = slice(self.len, self.len + T)
-        self.k[:, :, s] = k
-        self.v[:, :, s] = v
+        self.k[:, :, s] = encode(k, self.dtype)
+        self.v[:, :, s] = encode(v, self.dtype)
         self.pos[:, s] = pos
         self.len += T
         return self.k[:, :, : self.len], self.v[:, :, : self.len], self.pos[:, : self.len]
@@ -155,6 +158,7 @@ class KVCache:
         self.layers = layers if layers is not None else [
             GrowingLayerCache(batch, cfg.num_kv_heads, cfg.head_dim, dtype) for _ in range(cfg.num_layers)]
         self.next_pos = torch.zeros(batch, dtype=torch.int64)
+        self.key_rotation = key_rotation(dtype, cfg.head_dim)
         self.op_state = [{} for _ in self.layers]  # per layer: what its attention op keeps (KVView.state)
         self.masks = MaskMemo()
 

@@ -22,8 +22,8 @@ from typing import Sequence, Union
 import torch
 
 from ..errors import LongattnError, check_int
-from ..models.rope import rerotate
 from .base import GrowingLayerCache, KVCache
+from .kv_format import rerotate_rows
 from .ring import RingLayerCache
 
 
@@ -96,8 +96,9 @@ def _validate_span(cache: KVCache, start, end) -> None:
                                         f"sink(s)")
 
 
-def _renumbered(k, pos, start: int, end: int, inv_f, renumber: bool):
-    """Shift positions >= end down by ``end - start`` and re-rotate those keys."""
+def _renumbered(k, pos, start: int, end: int, inv_f, renumber: bool, head_dim: int):
+    """Shift positions >= end down by ``end - start`` and re-rotate those keys (stored rows
+    ``k [B, Hkv, N, W]``)."""
     if not renumber:
         return k, pos
     d = end - start
@@ -105,8 +106,8 @@ def _renumbered(k, pos, start: int, end: int, inv_f, renumber: bool):
     if not bool(moved.any()):
         return k, pos
     delta = torch.where(moved, torch.full_like(pos, -d), torch.zeros_like(pos))  # [B, N]
-    # Rotating by 0 leaves a key bit-identical (cos 0 = 1, sin 0 = 0), so rotate all in one go.
-    return rerotate(k, delta, inv_f), torch.where(moved, pos - d, pos)
+    # A zero delta leaves a row bit-identical (kv_format.rerotate_rows), so rotate all in one go.
+    return rerotate_rows(k, delta, inv_f, head_dim), torch.where(moved, pos - d, pos)
 
 
 def _compact_growing(layer: GrowingLayerCache, keep: torch.Tensor):
@@ -116,11 +117,11 @@ def _compact_growing(layer: GrowingLayerCache, keep: torch.Tensor):
     padded with empty slots (pos -1).
     """
     n = layer.len
-    B, H, D = layer.B, layer.H, layer.D
+    B, H, W = layer.B, layer.H, layer.W
     order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices  # [B, n], kept first
     new_len = int(keep.sum(dim=1).max().item()) if n else 0
     order = order[:, :new_len]
-    idx = order[:, None, :, None].expand(B, H, new_len, D)  # [B, H, new_len, D]
+    idx = order[:, None, :, None].expand(B, H, new_len, W)  # [B, H, new_len, W]
     k = torch.gather(layer.k[:, :, :n], 2, idx)
     v = torch.gather(layer.v[:, :, :n], 2, idx)
     pos = torch.gather(layer.pos[:, :n], 1, order)
@@ -143,7 +144,7 @@ def _evict_growing(layer: GrowingLayerCache, start: int, end: int, inv_f, renumb
     p = layer.pos[:, : layer.len]
     keep = ~((p >= start) & (p < end))  # [B, len]
     k, v, pos = _compact_growing(layer, keep)
-    k, pos = _renumbered(k, pos, start, end, inv_f, renumber)
+    k, pos = _renumbered(k, pos, start, end, inv_f, renumber, layer.D)
     _store_growing(layer, k, v, pos)
 
 
@@ -151,7 +152,7 @@ def _evict_ring(layer: RingLayerCache, start: int, end: int, inv_f, renumber: bo
     k, v, pos = layer.view()
     drop = (pos >= start) & (pos < end)
     pos = torch.where(drop, torch.full_like(pos, -1), pos)
-    k, pos = _renumbered(k.clone(), pos, start, end, inv_f, renumber)
+    k, pos = _renumbered(k.clone(), pos, start, end, inv_f, renumber, layer.D)
     # Renumbering changes slots (a slot is a function of the position): place again.
     layer.replace_contents(k, v.clone(), pos)
 

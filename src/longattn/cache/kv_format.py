@@ -80,6 +80,26 @@ def _rotation(head_dim: int) -> torch.Tensor:
     return (q * torch.sign(torch.diagonal(r))).float()
 
 
+def rerotate_rows(rows: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Stored key rows ``[B, Hkv, N, W]`` moved by RoPE from position p to p + ``delta [B, N]``.
+
+    A float32 (or float64) row is re-rotated as it is (``models.rope.rerotate``). Any other format widens the
+    row, turns it back out of the storage rotation (``key_rotation``: RoPE turns channel pairs,
+    which the storage rotation has mixed), re-rotates, turns and stores it again; rows whose
+    delta is 0 are kept as they are (storing again would round an int8 row a second time)."""
+    from ..models.rope import rerotate
+    if rows.dtype in (torch.float32, torch.float64):
+        return rerotate(rows, delta, inv_freq)  # a zero delta leaves a row bit-identical
+    rot = key_rotation(rows.dtype, head_dim)
+    x = widen(rows, head_dim)
+    if rot is not None:
+        x = x @ rot.T
+    x = rerotate(x, delta, inv_freq)
+    if rot is not None:
+        x = x @ rot
+    return torch.where((delta != 0)[:, None, :, None], encode(x, rows.dtype), rows)
+
+
 def key_rotation(dtype: torch.dtype, head_dim: int) -> Optional[torch.Tensor]:
     """``[D, D]`` orthogonal matrix R by which a pool of ``dtype`` stores keys and the attention
     reading it takes queries (``q R . k R = q . k``: every score is unchanged), or None.

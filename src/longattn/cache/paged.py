@@ -328,7 +328,6 @@ class PagedKVCache(KVCache):
         if not streams:
             raise LongattnError("a paged cache needs at least one stream")
         self.pool, self.streams = pool, list(streams)
-        self.key_rotation = key_rotation(pool.dtype, cfg.head_dim)
         memo: dict = {}
         super().__init__(cfg, len(self.streams),
                          layers=[PagedLayerCache(pool, i, self.streams, memo, gather_chunks)

@@ -38,8 +38,8 @@ from typing import Optional
 import torch
 
 from ..errors import LongattnError, check_int
-from ..models.rope import rerotate
 from .base import LayerCache, register_layer_cache
+from .kv_format import encode, rerotate_rows, row_width
 
 
 def ring_slot(pos: torch.Tensor, sinks: int, window: int) -> torch.Tensor:
@@ -55,7 +55,7 @@ class RingLayerCache(LayerCache):
         batch, kv_heads, head_dim: storage shape ``[batch, kv_heads, sinks + window, head_dim]``.
         window: rotating slots (>= 1); usually the layer's attention window (plus slack).
         sinks: pinned slots for positions ``0..sinks-1``.
-        dtype: storage dtype of K and V.
+        dtype: storage format of K and V (cache/kv_format.py; rows as stored).
         inv_freq: ``[head_dim // 2]`` the layer's RoPE inverse frequencies (needed by
             ``reindex`` and by eviction's re-rotation).
         reindex: attend by positions within the cache (StreamingLLM); see the module doc.
@@ -73,7 +73,8 @@ class RingLayerCache(LayerCache):
         self.inv_freq = inv_freq
         self.reindex = reindex
         cap = sinks + window
-        self.k = torch.zeros(batch, kv_heads, cap, head_dim, dtype=dtype)  # [B, Hkv, S+W, D]
+        self.W = row_width(dtype, head_dim)  # elements of a stored row (D unless int8)
+        self.k = torch.zeros(batch, kv_heads, cap, self.W, dtype=dtype)  # [B, Hkv, S+W, W]
         self.v = torch.zeros_like(self.k)
         self.pos = torch.full((batch, cap), -1, dtype=torch.int64)         # [B, S+W]
         # Slots [hi, S+W) have never been written in any row. Views stop at hi, so before the
@@ -100,8 +101,9 @@ class RingLayerCache(LayerCache):
             k_all, v_all, k_pos = self.k[:, :, :h], self.v[:, :, :h], self.pos[:, :h]
         else:
             h = self.hi
-            k_all = torch.cat((self.k[:, :, :h], k), dim=2)  # [B, Hkv, hi+T, D]
-            v_all = torch.cat((self.v[:, :, :h], v), dim=2)
+            # the chunk as stored, so its keys read as every later read of them will
+            k_all = torch.cat((self.k[:, :, :h], encode(k, self.dtype)), dim=2)  # [B, Hkv, hi+T, W]
+            v_all = torch.cat((self.v[:, :, :h], encode(v, self.dtype)), dim=2)
             k_pos = torch.cat((self.pos[:, :h], pos), dim=1)  # [B, hi+T]
             self._write(k, v, pos)
         if self.reindex:
@@ -135,8 +137,8 @@ class RingLayerCache(LayerCache):
             return
         p = pos[b, t]
         s = ring_slot(p, self.sinks, self.window)
-        self.k[b, :, s] = k[b, :, t].to(self.dtype)  # [N, Hkv, D]
-        self.v[b, :, s] = v[b, :, t].to(self.dtype)
+        self.k[b, :, s] = encode(k[b, :, t], self.dtype)  # [N, Hkv, W]
+        self.v[b, :, s] = encode(v[b, :, t], self.dtype)
         self.pos[b, s] = p
         self.hi = max(self.hi, int(s.max()) + 1)
 
@@ -161,11 +163,11 @@ class RingLayerCache(LayerCache):
         # view sits in the ring's sink slots 0..S-1.
         is_sink = (k_pos[:, :S] >= 0) & (k_pos[:, :S] < S)  # [B, S]
         delta = torch.where(is_sink, gap[:, None], torch.zeros_like(k_pos[:, :S]))  # [B, S]
-        moved = rerotate(k_all[:, :, :S], delta, self.inv_freq)  # [B, Hkv, S, D]
+        moved = rerotate_rows(k_all[:, :, :S], delta, self.inv_freq, self.D)  # [B, Hkv, S, W]
         return torch.cat((moved, k_all[:, :, S:]), dim=2)
 
     def replace_contents(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
-        """Empty the ring and place entries ``k, v [B, Hkv, N, D]`` at ``pos [B, N]``
+        """Empty the ring and place stored rows ``k, v [B, Hkv, N, W]`` at ``pos [B, N]``
         (-1 = nothing) by their slots; where two entries share a slot the later position
         wins. Used by eviction after renumbering."""
         valid = pos >= 0

@@ -18,8 +18,8 @@ def add_parser(sub) -> None:
                    help="context lengths T, comma-separated")
     p.add_argument("--window", type=int, default=1024, help="imposed window W")
     p.add_argument("--sinks", type=int, default=4, help="sink tokens with the imposed window")
-    p.add_argument("--kv-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                   help="K/V storage dtype")
+    p.add_argument("--kv-dtype", choices=["float32", "bfloat16", "float16", "int8"], default="float32",
+                   help="K/V storage format (int8: q8 rows, D codes and a float32 scale per 32 values)")
     p.add_argument("--measure-max", type=int, default=8192,
                    help="build and fill real caches only up to this T (the formula covers every T)")
     p.add_argument("--fill", choices=["update", "model"], default="update",
@@ -39,7 +39,8 @@ def run(args) -> int:
         raise LongattnError("--window must be >= 1 and --sinks >= 0")
     if any(t < 1 for t in args.contexts):
         raise LongattnError("--contexts must be positive")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.kv_dtype]
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+             "int8": torch.int8}[args.kv_dtype]
     out = out_dir(args.out)
     results = []
     for name in args.models:

@@ -38,10 +38,10 @@ def add_parser(sub) -> None:
                         "is aot where it can run (longattn's native kernels, window and dense layers) and "
                         "none elsewhere")
     p.add_argument("--kv", choices=["f32", "bf16", "int8"], default=None,
-                   help="how the compiled step's KV pool stores keys and values: bf16 (its default: half "
+                   help="how the KV cache stores keys and values: bf16 (the compiled step's default: half "
                         "the bytes, measured within 0.004 bits/token of f32 on the bundled models), int8 "
                         "(codes with a scale per 32 values: 0.28x the bytes of f32) or f32 (the "
-                        "reference); the eager and torch.compile steps store f32 only")
+                        "reference, and the eager step's default); the torch.compile step stores f32 only")
     add_policy_args(p, auto=True)
     p.add_argument("--sparse-calibrate", action="store_true", default=argparse.SUPPRESS,
                    help="sparse: calibrate the taus in this run's first decode steps (run exactly) "
@@ -97,10 +97,12 @@ def run(args) -> int:
         raise LongattnError("--policy auto never calibrates (it engages SCSA only with taus kept by an "
                             "earlier run); calibrate with --policy sparse --sparse-calibrate")
     from ..ops import native
-    pool_format = args.kv not in (None, "f32")  # a format only the compiled paged step stores
-    if pool_format and args.compile in ("none", "jit"):
-        raise LongattnError(f"--kv {args.kv} is a format of the compiled step's KV pool; --compile {args.compile} "
-                            "stores f32 (drop --kv, or use --compile aot)")
+    pool_format = args.kv not in (None, "f32")  # a format the fixed-shape step does not store
+    if pool_format and args.compile == "jit":
+        raise LongattnError(f"--kv {args.kv}: the torch.compile step stores f32 (drop --kv, or use --compile "
+                            "aot or none)")
+    if pool_format and args.policy in ("sparse", "auto"):
+        raise LongattnError(f"--kv {args.kv}: the sparse policy indexes float32 keys (use --kv f32)")
     if args.compile == "aot":  # refused here, before anything is read or built
         if args.policy in ("sparse", "auto"):
             raise LongattnError("--compile aot runs window and dense layers only; use --compile for --policy "
@@ -134,7 +136,7 @@ def run(args) -> int:
         policy, auto = taus.resolve_auto(ck.config, len(ids), args.max_new_tokens)
         print(f"-- policy auto: {auto.reason}", file=sys.stderr, flush=True)
     load_s = time.perf_counter() - t_load
-    kv = "f32"  # the eager and fixed-shape steps store float32 keys and values
+    kv = "f32"  # the fixed-shape step stores float32 keys and values; the eager one what --kv says
     if args.compile != "none":
         from ..engine.static_step import StaticDecoder
         max_len = len(ids) + max(args.max_new_tokens, 1)
@@ -166,7 +168,9 @@ def run(args) -> int:
             print("-- compiling the decode step ...", file=sys.stderr, flush=True)
             print(f"-- compiled in {session.warmup():.1f} s", file=sys.stderr)
     else:
-        session = Session(model, policy)
+        from ..cache.kv_format import KV_FORMATS
+        kv = args.kv or "f32"
+        session = Session(model, policy, kv_dtype=KV_FORMATS[kv])
     streamer = TextStreamer(ck.tokenizer)
     if not args.json:
         sys.stdout.write(text if not args.chat else "")

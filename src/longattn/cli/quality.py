@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import add_lab_parser, add_output_args, save_results, setup_threads
+from .common import add_kv_arg, add_lab_parser, add_output_args, check_kv_policy, save_results, setup_threads
 from .sweep_args import add_sweep_args, load_sweep_checkpoint, save_markdown, sweep_settings
 
 
@@ -21,7 +21,8 @@ def add_parser(sub) -> None:
                         "(trained windows kept); auto: global for Gemma 3, window otherwise")
     p.add_argument("--reindex", action="store_true",
                    help="StreamingLLM position re-indexing (chunked through ring caches; moves only the sinks)")
-    p.add_argument("--chunk", type=int, default=256, help="tokens per forward on the --reindex path")
+    p.add_argument("--chunk", type=int, default=256, help="tokens per forward through caches (--reindex, --kv)")
+    add_kv_arg(p)
     add_sweep_args(p)
     add_output_args(p, "results/quality", run)
 
@@ -39,22 +40,24 @@ def run(args) -> int:
         raise LongattnError("--chunk must be >= 1")
     if any(w < 1 for w in args.windows):
         raise LongattnError("--windows must be positive")
+    check_kv_policy(args)
     out = out_dir(args.out)
     ck = load_sweep_checkpoint(args, "quality needs text passages")
     stem = f"quality_{slug(ck.name)}"
     cells = quality_cells(args.model, args.weights, ck.config, args.passages, args.length, args.windows, args.sinks,
-                          args.mode, args.reindex, args.chunk)
+                          args.mode, args.reindex, args.chunk, args.kv)
     recs = run_sweep([c for c, _, _ in cells], out / f"{stem}.cells.jsonl", desc="quality", **sweep)
     per = {}
     for (_, arm, i), rec in zip(cells, recs):
         per.setdefault(arm, [None] * args.passages)[i] = (rec["result"]["bits"], rec["result"]["count"])
     arms = [(w, s, per[(w, s)]) for w in args.windows for s in args.sinks]
     res = quality_result(ck.config, resolve_mode(ck.config, args.mode), args.reindex, [args.length], per[None], arms)
-    res.update(model=ck.name, threads_per_cell=sweep["threads"], weights=args.weights,
+    res.update(model=ck.name, threads_per_cell=sweep["threads"], weights=args.weights, kv=args.kv,
                source="bundled books (longattn.data)")
     b = res["baseline"]
     head = (f"{ck.name}: {args.passages} passages x {args.length} tokens, bits/token on positions "
-            f"{args.length // 2}..{args.length - 1}; mode {res['mode']}{', re-indexed' if args.reindex else ''}")
+            f"{args.length // 2}..{args.length - 1}; mode {res['mode']}{', re-indexed' if args.reindex else ''}"
+            f"{f', KV cache {args.kv}' if args.kv != 'f32' else ''}")
     print(head)
     rows = [[b["label"], "-", "-", b["bits_per_token"], b["ci"][0], b["ci"][1], 0.0, None, None]]
     kind = "window" if res["mode"] == "window" else "W on global layers"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import add_lab_parser, add_output_args, save_results, setup_threads
+from .common import add_kv_arg, add_lab_parser, add_output_args, check_kv_policy, save_results, setup_threads
 from .sweep_args import add_sweep_args, load_sweep_checkpoint, save_markdown, sweep_settings
 
 
@@ -31,6 +31,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="cap on generated tokens (default: the task's published count: passkey 10, niah 128, vt 30)")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk size (tokens)")
+    add_kv_arg(p)
     add_sweep_args(p)
     add_output_args(p, "results/retrieval", run)
 
@@ -48,6 +49,7 @@ def run(args) -> int:
         raise LongattnError("need --window >= 1, --sinks >= 0, --length >= 2 and --chunk >= 1")
     if any(d < 1 or d > args.length for d in args.distances):
         raise LongattnError(f"--distances must lie in 1..--length ({args.length})")
+    check_kv_policy(args)
     out = out_dir(args.out)
     ck = load_sweep_checkpoint(args, "retrieval needs text prompts")
     cfg = ck.config
@@ -55,13 +57,15 @@ def run(args) -> int:
     arms = [(label, build_policy(cfg, spec).windows) for label, spec in specs]
     stem = f"retrieval_{slug(ck.name)}"
     cells = retrieval_cells(args.model, args.weights, args.tasks, args.distances, specs, args.samples,
-                            args.length, args.seed, args.max_new_tokens, args.chunk)
+                            args.length, args.seed, args.max_new_tokens, args.chunk, args.kv)
     recs = run_sweep([c for c, _ in cells], out / f"{stem}.cells.jsonl", desc="retrieval", **sweep)
     records = [{**meta, **rec["result"]} for (_, meta), rec in zip(cells, recs)]
     res = retrieval_result(ck.name, args.tasks, args.distances, arms, records, args.length, args.samples, args.seed)
-    res.update(threads_per_cell=sweep["threads"], window=args.window, sinks=args.sinks, weights=args.weights)
+    res.update(threads_per_cell=sweep["threads"], window=args.window, sinks=args.sinks, weights=args.weights,
+               kv=args.kv)
     head = (f"{ck.name}: prompts <= {args.length} tokens, {args.samples} samples per point, greedy; "
-            f"distance = tokens from the needle to the prompt end; {res['haystack']}")
+            f"distance = tokens from the needle to the prompt end; {res['haystack']}"
+            f"{f'; KV cache {args.kv}' if args.kv != 'f32' else ''}")
     print(head)
     print(format_table(["task", "policy", "distance", "measured", "score %", "95% CI"],
                        [[r["task"], r["policy"], r["distance"], round(r["mean_needle_distance"]), r["score"],

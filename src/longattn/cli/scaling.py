@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import add_lab_parser, add_output_args, load_model, progress_ticker, save_results, setup_threads
+from .common import add_kv_arg, add_lab_parser, add_output_args, load_model, progress_ticker, save_results, setup_threads
 
 
 def add_parser(sub) -> None:
@@ -21,6 +21,7 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed decode steps per point (median)")
     p.add_argument("--prefill-repeats", type=int, default=3, help="timed prefill calls per point (median)")
     p.add_argument("--skip-decode", action="store_true", help="only time prefill attention (no model load)")
+    add_kv_arg(p)
     add_output_args(p, "results/scaling", run)
 
 
@@ -43,17 +44,18 @@ def run(args) -> int:
     else:
         ck, model = load_model(args)
         cfg, name = ck.config, ck.name
+        from ..cache.kv_format import KV_FORMATS
         decode = decode_step_times(model, args.decode_contexts, args.window, args.sinks, args.repeats,
-                                   progress=tick)
+                                   progress=tick, kv_dtype=KV_FORMATS[args.kv])
         del model
     prefill = prefill_attention_times(args.prefill_contexts, args.window, cfg.num_heads, cfg.num_kv_heads,
                                       cfg.head_dim, args.sinks, args.prefill_repeats, progress=tick)
     bar.close()
     res = {"experiment": "scaling", "model": name, "threads": torch.get_num_threads(), "weights": args.weights,
-           "decode": decode, "prefill": prefill}
+           "kv": args.kv, "decode": decode, "prefill": prefill}
     if decode:
         print(f"{name}: decode step (median of {args.repeats}), {res['threads']} threads, "
-              f"ring W={args.window} + {args.sinks} sinks")
+              f"ring W={args.window} + {args.sinks} sinks, KV cache {args.kv}")
         print(format_table(["T", "growing ms", "ring ms", "speedup", "growing MiB", "ring MiB"],
                            [[t, g, r, s, gb / 2**20, rb / 2**20] for t, g, r, s, gb, rb in
                             zip(decode["contexts"], decode["growing_ms"], decode["ring_ms"], decode["speedup"],

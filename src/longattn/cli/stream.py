@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ..errors import LongattnError
-from .common import (add_context_arg, add_json_arg, add_model_args, add_policy_args, check_chunk,
+from .common import (add_context_arg, add_kv_arg, check_kv_policy, add_json_arg, add_model_args, add_policy_args, check_chunk,
                      check_context, check_policy_args, check_token_ids, emit_json, load_model,
                      model_for, open_checkpoint, policy_from_args, read_text_file, setup_threads)
 
@@ -25,9 +25,7 @@ def add_parser(sub) -> None:
                    help="positions within the cache (StreamingLLM style) instead of absolute")
     p.add_argument("--cache", choices=["auto", "bounded", "growing"], default="auto",
                    help="auto: ring caches on windowed layers, growing elsewhere")
-    p.add_argument("--kv", choices=["f32", "bf16"], default="f32",
-                   help="how the caches store keys and values: f32 (the reference the lab measures "
-                        "against) or bf16 (half the bytes; read widened, exactly)")
+    add_kv_arg(p)
     add_policy_args(p)
     add_context_arg(p)
     add_json_arg(p)
@@ -77,9 +75,7 @@ def run(args) -> int:
         raise LongattnError("--repeat must be >= 1")
     if args.max_tokens is not None and args.max_tokens < 2:
         raise LongattnError("--max-tokens must be >= 2")
-    if args.kv != "f32" and (args.reindex or args.policy in ("sparse", "auto")):
-        raise LongattnError(f"--kv {args.kv} runs window and dense layers at absolute positions; "
-                            "--reindex and sparse policies read float32 caches (use --kv f32)")
+    check_kv_policy(args)
     text = read_text_file(args.file, "--file") if args.file else all_books_text()
     ck = open_checkpoint(args)
     policy = policy_from_args(ck.config, args)

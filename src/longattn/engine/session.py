@@ -41,6 +41,8 @@ class Session:
         cache: a KVCache (default: ``make_cache(kind="auto")`` — ring caches on windowed
             layers, so Gemma 3's local layers stay bounded; growing caches elsewhere).
         batch: number of streams when ``cache`` is not given.
+        kv_dtype: the storage format of a cache made here (cache/kv_format.py; default: the
+            model's activation dtype, float32 or float64 for reference runs).
 
     A model whose longrope switches to its long factors past the original context and whose
     transformers generation then recomputes the whole sequence (``ModelConfig.longrope_recompute``:
@@ -49,8 +51,9 @@ class Session:
     """
 
     def __init__(self, model, policy: Optional[AttentionPolicy] = None, cache: Optional[KVCache] = None,
-                 batch: int = 1):
+                 batch: int = 1, kv_dtype: Optional[torch.dtype] = None):
         self.model = model
+        self.kv_dtype = kv_dtype or model.activation_dtype
         self.cfg = model.config
         self.policy = policy or AttentionPolicy.from_config(self.cfg)
         self._own_cache = cache is None
@@ -63,9 +66,8 @@ class Session:
 
     def _new_cache(self, batch: int) -> KVCache:
         from ..cache.factory import make_cache
-        # K/V are stored in the activation dtype: float32, or float64 for reference runs
         return make_cache(self.cfg, self.policy, batch=batch, kind="auto", model=self.model,
-                          dtype=self.model.activation_dtype)
+                          dtype=self.kv_dtype)
 
     def _passes_switch(self, rope_len: int) -> bool:
         """This call takes the streams past the rope switch while the cache holds keys rotated

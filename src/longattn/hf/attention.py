@@ -68,6 +68,9 @@ def longattn_attention(module, query: torch.Tensor, key: torch.Tensor, value: to
             raise LongattnError(f"attention op {type(op).__name__} has no term for this model's learned sink "
                                 "logits (gpt-oss); use a window, sink or dense policy")
         extra["sink_logits"] = kwargs["s_aux"].detach()
+    rot = cache.kv.key_rotation
+    if rot is not None:  # the keys are stored rotated (LongattnLayer.update): every score is unchanged
+        query = query @ rot.to(query.dtype)
     view = layer.view._replace(k=key, v=value)  # the tensors transformers handed back (the same)
     out = op(query, q_pos, view, scale=scaling, softcap=softcap, **extra)  # [B, H, T, D]
     return out.transpose(1, 2).contiguous(), None
@@ -103,7 +106,7 @@ def _check_model(model) -> None:
 
 
 def apply(model, policy: Union[str, AttentionPolicy] = "sink", *, window: Optional[int] = None,
-          sinks: int = 4, layers: str = "auto", shift: bool = False) -> LongattnCache:
+          sinks: int = 4, layers: str = "auto", shift: bool = False, kv: str = "f32") -> LongattnCache:
     """Route ``model``'s attention through longattn and return a cache for ``generate``.
 
     Args:
@@ -115,6 +118,8 @@ def apply(model, policy: Union[str, AttentionPolicy] = "sink", *, window: Option
             ``longattn.hf.model_config(model.config)`` (a fresh one per cache).
         window, sinks, layers: the "sink" policy (see SinkCache).
         shift: StreamingLLM's position shift (ShiftingSinkCache).
+        kv: how the cache stores keys and values: "f32" (as computed), "bf16" or "int8"
+            (LongattnCache).
     Returns:
         a new cache; pass it as ``past_key_values=``. ``cache.reset()`` empties it for reuse.
 
@@ -125,14 +130,14 @@ def apply(model, policy: Union[str, AttentionPolicy] = "sink", *, window: Option
         if policy == "sparse":
             from ..sparse.policy import build_sparse_policy
             sparse = build_sparse_policy(model_config(model.config), window=window, sinks=sinks if window else 0)
-            cache = LongattnCache(model.config, sparse, shift=shift)
+            cache = LongattnCache(model.config, sparse, shift=shift, kv=kv)
         elif policy == "sink":
             cache = (ShiftingSinkCache if shift else SinkCache)(model.config, window=window, sinks=sinks,
-                                                                layers=layers)
+                                                                layers=layers, kv=kv)
         else:
             raise LongattnError(f"unknown policy '{policy}': use 'sink', 'sparse' or an AttentionPolicy")
     elif isinstance(policy, AttentionPolicy):
-        cache = LongattnCache(model.config, policy, shift=shift)
+        cache = LongattnCache(model.config, policy, shift=shift, kv=kv)
     else:
         raise LongattnError(f"policy must be 'sink' or an AttentionPolicy, got {type(policy).__name__}")
     if getattr(model, _STATE, None) is None:

@@ -27,6 +27,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..cache.base import KVCache
 from ..cache.evict import evict as _evict
 from ..cache.factory import make_cache
+from ..cache.kv_format import KV_FORMATS
 from ..errors import LongattnError, check_int
 from ..models.rope import inv_freq
 from ..policy import AttentionPolicy
@@ -81,6 +82,9 @@ class LongattnLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         B, _, T, _ = key_states.shape
         pos = (self.seen + torch.arange(T, dtype=torch.int64)).expand(B, T)  # [B, T]
+        rot = self.owner.kv.key_rotation
+        if rot is not None:  # a format storing rotated keys; longattn_attention turns the queries alike
+            key_states = key_states @ rot.to(key_states.dtype)
         self.view = self.owner.kv.update(self.index, key_states, value_states, pos)
         self.seen += T
         self.q_pos, self.k_pos = pos, self.view.positions
@@ -144,10 +148,17 @@ class LongattnCache(Cache):
             windowed layers get rings of ``window`` rotating slots plus the sinks, global
             layers a growing cache.
         shift: StreamingLLM's position shift on the rings (see ShiftingSinkCache).
+        kv: how keys and values are stored (cache/kv_format.py): "f32" (as the model computes
+            them, the reference), "bf16" or "int8" (q8 rows; keys stored rotated, and the
+            attention turns the queries with them).
     """
 
-    def __init__(self, config, policy: AttentionPolicy, shift: bool = False):
+    def __init__(self, config, policy: AttentionPolicy, shift: bool = False, kv: str = "f32"):
         check_transformers_version()
+        if kv not in KV_FORMATS:
+            raise LongattnError(f"kv must be one of {', '.join(KV_FORMATS)}, got {kv!r}")
+        if kv != "f32" and any(lp.kind == "sparse" for lp in policy.layers):
+            raise LongattnError(f"kv={kv!r}: the sparse policy indexes float32 keys (use kv='f32')")
         self.model_config = model_config(config)
         cfg = self.model_config
         if len(policy.layers) != cfg.num_layers:
@@ -160,6 +171,7 @@ class LongattnCache(Cache):
         self.hf_config = config
         self.policy = policy
         self.shift = shift
+        self.kv_format = kv
         self.kv: Optional[KVCache] = None  # longattn's cache, made on the first update
         super().__init__(layers=[LongattnLayer(self, i) for i in range(cfg.num_layers)])
         self._inv_freqs = _rope_inv_freqs(config, cfg) if shift else None
@@ -170,6 +182,8 @@ class LongattnCache(Cache):
             if self.kv.batch != batch:
                 raise LongattnError(f"this cache holds {self.kv.batch} stream(s); the call has {batch}")
             return
+        if self.kv_format != "f32":  # f32: as the model computes them (float64 in reference runs)
+            dtype = KV_FORMATS[self.kv_format]
         self.kv = make_cache(self.model_config, self.policy, batch=batch, kind="auto", dtype=dtype,
                              model=self._inv_freqs, reindex=self.shift)
 
@@ -231,10 +245,13 @@ class SinkCache(LongattnCache):
         layers: "auto" keeps a model's trained global layers global (they grow) and windows
             the rest, or every layer when the model has no trained window; "all" imposes
             ``window`` on every layer.
+        kv: the storage format (LongattnCache).
     """
 
-    def __init__(self, config, window: Optional[int] = None, sinks: int = 4, layers: str = "auto"):
-        super().__init__(config, sink_policy(model_config(config), window, sinks, layers), shift=self._shift)
+    def __init__(self, config, window: Optional[int] = None, sinks: int = 4, layers: str = "auto",
+                 kv: str = "f32"):
+        super().__init__(config, sink_policy(model_config(config), window, sinks, layers), shift=self._shift,
+                         kv=kv)
 
     _shift = False
 

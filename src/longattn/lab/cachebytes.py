@@ -24,6 +24,7 @@ import torch
 
 from ..errors import LongattnError
 from ..policy import AttentionPolicy
+from ..cache.kv_format import row_bytes
 from .arithmetic import hybrid_cache_bytes
 
 FILLS = ("update", "model")
@@ -42,10 +43,10 @@ def policy_sinks(policy) -> int:
     return s.pop() if s else 0
 
 
-def fill_cache(cache, cfg, T: int, dtype=torch.float32, chunk: int = 4096, model=None, policy=None,
-               seed: int = 0) -> None:
-    """Put T tokens in ``cache``: random K/V through ``cache.update`` (``model`` None) or
-    random token ids prefilled through ``model`` under ``policy``, ``chunk`` at a time."""
+def fill_cache(cache, cfg, T: int, chunk: int = 4096, model=None, policy=None, seed: int = 0) -> None:
+    """Put T tokens in ``cache``: random float32 K/V through ``cache.update`` (``model`` None;
+    the cache stores them in its own format) or random token ids prefilled through ``model``
+    under ``policy``, ``chunk`` at a time."""
     g = torch.Generator().manual_seed(seed)
     for s in range(0, T, chunk):
         e = min(T, s + chunk)
@@ -56,7 +57,7 @@ def fill_cache(cache, cfg, T: int, dtype=torch.float32, chunk: int = 4096, model
             continue
         shape = (1, cfg.num_kv_heads, e - s, cfg.head_dim)  # [B, Hkv, t, D]
         for layer in range(cfg.num_layers):
-            k = torch.randn(shape, generator=g).to(dtype)
+            k = torch.randn(shape, generator=g)
             cache.update(layer, k, k, pos)
         cache.advance(pos)
 
@@ -65,8 +66,8 @@ def measure_cache(cfg, policy, T: int, dtype=torch.float32, model=None, chunk: i
     """Build and fill one cache; return its allocated, held and formula bytes (totals and per layer)."""
     from ..cache.factory import make_cache
     cache = make_cache(cfg, policy, batch=1, kind="auto", dtype=dtype, model=model, exact_capacity=True)
-    fill_cache(cache, cfg, T, dtype, chunk=chunk, model=model, policy=policy)
-    per_token = 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    fill_cache(cache, cfg, T, chunk=chunk, model=model, policy=policy)
+    per_token = 2 * cfg.num_kv_heads * row_bytes(dtype, cfg.head_dim)
     held = [per_token * t for t in cache.tokens()]
     shape = policy_shape(cfg, policy)
     sinks = policy_sinks(policy)

@@ -73,33 +73,38 @@ def score_hidden(model, hidden: torch.Tensor, targets: torch.Tensor, slice_rows:
     return torch.cat(out)
 
 
-def passage_hidden(model, ids: torch.Tensor, policy, reindex: bool = False, chunk: int = 256) -> torch.Tensor:
+def passage_hidden(model, ids: torch.Tensor, policy, reindex: bool = False, chunk: int = 256,
+                   kv: str = "f32") -> torch.Tensor:
     """Last hidden states ``[T, hidden]`` of one passage ``ids [T]`` under ``policy``.
 
-    Plain full forward, or (``reindex``) chunked through ring caches that re-index positions.
+    Plain full forward, or (``reindex``, or a cache format ``kv`` other than f32) chunked
+    through caches (rings on windowed layers) storing keys and values as ``kv`` says.
     """
-    if not reindex:
+    if not reindex and kv == "f32":
         return model(ids[None], policy=policy, logits="none")[0]
     from ..cache.factory import make_cache
-    cache = make_cache(model.config, policy, batch=1, kind="auto", model=model, reindex=True)
+    from ..cache.kv_format import KV_FORMATS
+    cache = make_cache(model.config, policy, batch=1, kind="auto", model=model, reindex=reindex,
+                       dtype=KV_FORMATS[kv])
     outs = []
     for s in range(0, ids.numel(), chunk):
         outs.append(model(ids[None, s:s + chunk], cache=cache, policy=policy, logits="none")[0])
     return torch.cat(outs)
 
 
-def passage_bits(model, ids: torch.Tensor, policy, reindex: bool = False, chunk: int = 256) -> tuple:
+def passage_bits(model, ids: torch.Tensor, policy, reindex: bool = False, chunk: int = 256,
+                 kv: str = "f32") -> tuple:
     """(sum of -log2 p, count) over the targets at positions ``T//2 .. T-1`` of ``ids [T]``."""
     T = int(ids.numel())
     h = T // 2
-    hidden = passage_hidden(model, ids, policy, reindex=reindex, chunk=chunk)  # [T, hidden]
+    hidden = passage_hidden(model, ids, policy, reindex=reindex, chunk=chunk, kv=kv)  # [T, hidden]
     bits = score_hidden(model, hidden[h - 1:T - 1], ids[h:T])
     return float(bits.sum()), int(bits.numel())
 
 
 def quality_sweep(model, passages: Sequence[torch.Tensor], windows: Sequence[int],
                   sinks: Sequence[int] = (0, 1, 4), mode: str = "auto", reindex: bool = False,
-                  chunk: int = 256, progress: Optional[Callable[[str], None]] = None) -> dict:
+                  chunk: int = 256, progress: Optional[Callable[[str], None]] = None, kv: str = "f32") -> dict:
     """Bits/token on the second half of each passage for every (window, sinks) and the baseline.
 
     Args:
@@ -109,8 +114,9 @@ def quality_sweep(model, passages: Sequence[torch.Tensor], windows: Sequence[int
         sinks: sink counts S to try with every window.
         mode: "auto" | "window" | "global" (module doc).
         reindex: StreamingLLM position re-indexing on ring layers (module doc).
-        chunk: tokens per forward on the re-indexed path.
+        chunk: tokens per forward through caches (the re-indexed path, a ``kv`` other than f32).
         progress: called with a label after each (config, passage) forward.
+        kv: the caches' storage format (cache/kv_format.py), the baseline's included.
     Returns:
         dict with ``baseline`` (label, bits_per_token, per_passage), ``rows`` (one per
         (window, sinks): bits_per_token, per_passage, delta vs baseline), and the settings.
@@ -128,7 +134,7 @@ def quality_sweep(model, passages: Sequence[torch.Tensor], windows: Sequence[int
     def run(policy, label, use_reindex):
         per = []
         for ids in passages:
-            per.append(passage_bits(model, ids, policy, reindex=use_reindex, chunk=chunk))
+            per.append(passage_bits(model, ids, policy, reindex=use_reindex, chunk=chunk, kv=kv))
             if progress:
                 progress(label)
         return per
@@ -204,13 +210,14 @@ def run_cell(ctx, params: dict) -> dict:
     from .sweep import build_policy
     ids = _passages(ctx.encode, params["passages"], params["length"])[params["index"]]
     bits, count = passage_bits(ctx.model, ids, build_policy(ctx.config, params["policy"]),
-                               reindex=params["reindex"], chunk=params["chunk"])
+                               reindex=params["reindex"], chunk=params["chunk"], kv=params.get("kv", "f32"))
     return {"bits": bits, "count": count}
 
 
 def quality_cells(model: str, weights: str, cfg, passages: int, length: int, windows, sinks, mode: str = "auto",
-                  reindex: bool = False, chunk: int = 256) -> list:
-    """``[(Cell, (window, sinks) or None for the baseline, passage index)]`` of a quality sweep."""
+                  reindex: bool = False, chunk: int = 256, kv: str = "f32") -> list:
+    """``[(Cell, (window, sinks) or None for the baseline, passage index)]`` of a quality sweep;
+    every arm, the baseline included, runs on caches of format ``kv``."""
     from .sweep import Cell
     check_grid(windows, sinks)
     m = resolve_mode(cfg, mode)
@@ -221,6 +228,8 @@ def quality_cells(model: str, weights: str, cfg, passages: int, length: int, win
         for i in range(passages):
             params = {"passages": passages, "index": i, "length": length, "policy": spec, "reindex": bool(rx),
                       "chunk": chunk}
+            if kv != "f32":  # absent for f32, so cells measured before formats existed keep their keys
+                params["kv"] = kv
             out.append((Cell("quality", model, params, weights), arm, i))
     return out
 

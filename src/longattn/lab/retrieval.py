@@ -54,27 +54,28 @@ def retrieval_policies(cfg, window: int, sinks: int, mode: str = "auto") -> list
 
 def greedy_continuation(model, policy, ids: Sequence[int], max_new_tokens: int,
                         decode: Callable[[list], str], stop_ids=(), sample: Optional[T.Sample] = None,
-                        chunk: int = 512) -> list:
-    """Greedy token ids after the prompt ``ids`` under ``policy``.
+                        chunk: int = 512, kv: str = "f32") -> list:
+    """Greedy token ids after the prompt ``ids`` under ``policy``, on caches of format ``kv``.
 
     Stops at a stop token (not emitted), after ``max_new_tokens``, or -- when ``sample`` is
     given -- as soon as ``tasks.settled(sample, decode(tokens))`` says the score is final.
     """
     from ..engine.session import Session, generate
     settled = None if sample is None else (lambda _stream, toks: T.settled(sample, decode(toks)))
-    res = generate(Session(model, policy), [list(ids)], max_new_tokens, stop_ids=set(stop_ids or ()),
+    from ..cache.kv_format import KV_FORMATS
+    res = generate(Session(model, policy, kv_dtype=KV_FORMATS[kv]), [list(ids)], max_new_tokens, stop_ids=set(stop_ids or ()),
                    chunk=chunk, stop=settled)
     return res.tokens[0]
 
 
 def retrieval_record(model, encode, decode, task: str, distance: int, length: int, seed: int, policy,
-                     max_new_tokens: Optional[int] = None, stop_ids=(), chunk: int = 512) -> dict:
+                     max_new_tokens: Optional[int] = None, stop_ids=(), chunk: int = 512, kv: str = "f32") -> dict:
     """Generate and score the prompt ``make_sample(task, encode, distance, length, seed)`` under
     ``policy`` -> ``{needle_distance, prompt_tokens, outputs, prediction, generated_tokens, score}``."""
     smp = T.make_sample(task, encode, int(distance), length, seed)
     ids = encode(smp.prompt)
     budget = smp.max_new_tokens if max_new_tokens is None else min(max_new_tokens, smp.max_new_tokens)
-    gen = greedy_continuation(model, policy, ids, budget, decode, stop_ids, smp, chunk)
+    gen = greedy_continuation(model, policy, ids, budget, decode, stop_ids, smp, chunk, kv)
     pred = decode(gen)
     return {"needle_distance": smp.needle_distance, "prompt_tokens": len(ids), "outputs": smp.outputs,
             "prediction": pred, "generated_tokens": len(gen), "score": T.score(smp, pred)}
@@ -86,7 +87,8 @@ def run_cell(ctx, params: dict) -> dict:
     from .sweep import build_policy
     return retrieval_record(ctx.model, ctx.encode, ctx.decode, params["task"], params["distance"],
                             params["length"], params["seed"], build_policy(ctx.config, params["policy"]),
-                            params.get("max_new_tokens"), ctx.stop_ids, params.get("chunk", 512))
+                            params.get("max_new_tokens"), ctx.stop_ids, params.get("chunk", 512),
+                            params.get("kv", "f32"))
 
 
 def check_settings(tasks, samples: int, max_new_tokens: Optional[int]) -> None:
@@ -174,7 +176,7 @@ def retrieval_result(model_name: str, tasks, distances, arms: list, records: lis
 
 
 def retrieval_cells(model: str, weights: str, tasks, distances, specs: list, samples: int, length: int,
-                    seed: int, max_new_tokens: Optional[int], chunk: int) -> list:
+                    seed: int, max_new_tokens: Optional[int], chunk: int, kv: str = "f32") -> list:
     """``[(Cell, meta)]``: one cell per (task, distance, sample, policy); ``meta`` holds the
     record's task, policy label, distance and seed. ``specs``: ``[(label, policy spec)]``."""
     from .sweep import Cell
@@ -185,6 +187,8 @@ def retrieval_cells(model: str, weights: str, tasks, distances, specs: list, sam
                 for label, spec in specs:
                     params = {"task": task, "distance": int(dist), "length": length, "seed": seed + i,
                               "policy": spec, "max_new_tokens": max_new_tokens, "chunk": chunk}
+                    if kv != "f32":  # absent for f32: cells measured before formats existed keep their keys
+                        params["kv"] = kv
                     out.append((Cell("retrieval", model, params, weights),
                                 {"task": task, "policy": label, "distance": int(dist), "seed": seed + i}))
     return out

@@ -51,16 +51,18 @@ def _check(contexts, repeats) -> None:
 
 
 def decode_step_times(model, contexts: Sequence[int], window: int, sinks: int = 0, repeats: int = 5,
-                      warmup: int = 2, progress: Optional[Callable[[str], None]] = None) -> dict:
+                      warmup: int = 2, progress: Optional[Callable[[str], None]] = None,
+                      kv_dtype: torch.dtype = torch.float32) -> dict:
     """Median decode-step milliseconds at each context, full growing cache vs ring.
 
     The growing cache runs the dense policy (every key read); the ring runs W (+ sinks) on
     every layer in ring caches from ``make_cache``. The two are stepped in turn (see
     ``_interleaved_medians_ms``). Returns ``contexts``, ``growing_ms``, ``ring_ms``,
     ``growing_cache_bytes`` / ``ring_cache_bytes`` (bytes of the tokens held after the timed
-    steps) and ``speedup`` lists.
+    steps) and ``speedup`` lists. ``kv_dtype``: both caches' storage format (cache/kv_format.py).
     """
     from ..cache.factory import make_cache
+    from ..cache.kv_format import row_bytes
     from .cachebytes import fill_cache
     _check(contexts, repeats)
     cfg = model.config
@@ -72,7 +74,7 @@ def decode_step_times(model, contexts: Sequence[int], window: int, sinks: int = 
     out = {"contexts": list(contexts), "window": window, "sinks": sinks, "growing_ms": [], "ring_ms": [],
            "growing_cache_bytes": [], "ring_cache_bytes": []}
     tok = torch.tensor([[1 % cfg.vocab_size]])
-    per_token = 2 * cfg.num_kv_heads * cfg.head_dim * 4  # float32 K + V, one layer
+    per_token = 2 * cfg.num_kv_heads * row_bytes(kv_dtype, cfg.head_dim)  # K + V, one layer
 
     def stepper(cache, pol, T):
         pos = [T]
@@ -82,8 +84,8 @@ def decode_step_times(model, contexts: Sequence[int], window: int, sinks: int = 
             pos[0] += 1
         return step
     for T in contexts:
-        caches = {"growing": make_cache(cfg, dense, batch=1, kind="growing"),
-                  "ring": make_cache(cfg, ring, batch=1, kind="auto")}
+        caches = {"growing": make_cache(cfg, dense, batch=1, kind="growing", dtype=kv_dtype),
+                  "ring": make_cache(cfg, ring, batch=1, kind="auto", dtype=kv_dtype)}
         for c in caches.values():
             fill_cache(c, cfg, T)
         ms = _interleaved_medians_ms({"growing": stepper(caches["growing"], dense, T),

@@ -109,9 +109,10 @@ class PagedRows(NamedTuple):
 def fused_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap,
                   sink_logits: Optional[torch.Tensor] = None) -> bool:
     """The C++ decode kernel serves one float32 query per stream without soft-capping over a
-    float32 or bfloat16 cache (learned sink logits, float32, included)."""
+    float32, bfloat16 or int8 (q8 rows) cache read in place (learned sink logits, float32,
+    included)."""
     return (q.shape[2] == 1 and softcap is None and q.dtype == torch.float32 and k.dtype == v.dtype
-            and k.dtype in (torch.float32, torch.bfloat16)
+            and k.dtype in (torch.float32, torch.bfloat16, torch.int8)
             and (sink_logits is None or sink_logits.dtype == torch.float32) and native.available())
 
 
@@ -131,8 +132,9 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
     Args:
         q: ``[B, H, Tq, D]``; q_pos: ``[B, Tq]`` int64 (negative = padding query, outputs zeros).
-        k, v: ``[B, Hkv, S, D]`` (or ``PagedRows``: a paged cache read in place); k_pos: ``[B, S]``
-            (negative = empty slot, never read).
+        k, v: ``[B, Hkv, S, D]``, or a cache's stored rows of another format (bfloat16, or int8
+            ``[B, Hkv, S, W]``: cache/kv_format.py), or ``PagedRows`` (a paged cache read in
+            place); k_pos: ``[B, S]`` (negative = empty slot, never read).
         window: keys per query including itself (None = full causal); sinks: first positions
             always readable; scale: score multiplier; softcap: Gemma-style score soft-capping.
         fused: allow the C++ decode kernel (False keeps the matmul form, its reference).
@@ -149,10 +151,11 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             return paged_rows_attention(q, q_pos, k, v, k_pos, window, sinks, scale, sink_logits, softcap)
         k, v = (x.widened(q.shape[-1], q.dtype) for x in (k, v))
     use_fused = fused and fused_applies(q, k, v, softcap, sink_logits)
-    if k.dtype != q.dtype and not use_fused:  # a bfloat16 cache widens exactly
-        k, v = k.to(q.dtype), v.to(q.dtype)
+    if k.dtype != q.dtype and not use_fused:  # stored rows widen as the fused kernel widens them
+        from ..cache.kv_format import widen
+        k, v = widen(k, q.shape[-1], q.dtype), widen(v, q.shape[-1], q.dtype)
     if use_fused:
-        none = q.new_empty(k.shape[0], k.shape[1], 0, k.shape[3])  # no separate own key: the cache holds it
+        none = q.new_empty(k.shape[0], k.shape[1], 0, q.shape[3])  # no separate own key: the cache holds it
         return torch.ops.longattn_cpu.decode_attention(q, k, v, k_pos, q_pos, none, none,
                                                        window or 0, sinks, float(scale), sink_logits)
     if _banded_applies(q, q_pos, k_pos, window, softcap, banded_min_tokens):
