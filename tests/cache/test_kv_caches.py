@@ -23,7 +23,6 @@ from longattn.cache.base import GrowingLayerCache
 from longattn.cache.kv_format import Q8_BLOCK, encode, key_rotation, rerotate_rows, row_bytes, widen
 from longattn.cache.ring import RingLayerCache
 from longattn.engine.session import Session
-from longattn.errors import LongattnError
 from longattn.ops.attention import attend
 from longattn.policy import AttentionPolicy
 
@@ -100,15 +99,6 @@ def test_only_int8_caches_rotate_keys():
     assert make_cache(m.config, pol, dtype=torch.bfloat16).key_rotation is None
     rot = make_cache(m.config, pol, dtype=torch.int8).key_rotation
     assert torch.allclose(rot @ rot.T, torch.eye(m.config.head_dim), atol=1e-6)
-
-
-def test_the_sparse_policy_refuses_a_quantized_cache():
-    from longattn.sparse.policy import build_sparse_policy
-    m = tiny_model("llama")
-    pol = build_sparse_policy(m.config)
-    for dtype in FORMATS:
-        with pytest.raises(LongattnError, match="indexes float32 keys"):
-            make_cache(m.config, pol, dtype=dtype)
 
 
 def test_rerotate_rows_keeps_unmoved_rows_bit_for_bit():

@@ -95,7 +95,7 @@ def test_cached_taus_are_the_calibrated_ones_and_decide_alike(cache):
     k, v = torch.randn(1, 2, 700, 16, generator=g), torch.randn(1, 2, 700, 16, generator=g)
     view = KVView(k, v, torch.arange(700)[None], k[:, :, -1:], v[:, :, -1:], {})
     for i, a in stream_layers(cal_cache).items():
-        b = reused.op(i).scsa(view._replace(state={}), 4)
+        b = reused.op(i).scsa(view._replace(state={}), 4, 16)
         assert b.calibrated and b.calibrator.calls == 0
         a.reset()
         fresh_counts = dict(b.counters)

@@ -41,8 +41,6 @@ def make_cache(cfg, policy=None, batch: int = 1, kind: str = "auto", slack: int 
         raise LongattnError(f"cache slack must be a non-negative integer, got {slack!r}")
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise LongattnError(f"cache batch must be a positive integer, got {batch!r}")
-    if dtype not in (torch.float32, torch.float64) and any(lp.kind == "sparse" for lp in policy.layers):
-        raise LongattnError("the sparse policy indexes float32 keys: run it with --kv f32")
     plan = plan_layers(policy, kind)
     if reindex and "ring" not in plan:
         raise LongattnError("reindex needs ring layers: give the policy a window (and a cache kind "

@@ -117,12 +117,6 @@ def add_kv_arg(p: argparse.ArgumentParser) -> None:
                         "float32 scale per 32 values, keys rotated: 0.28x the bytes of f32)")
 
 
-def check_kv_policy(args) -> None:
-    """SCSA indexes float32 keys: a sparse policy with another cache format is refused."""
-    if args.kv != "f32" and (getattr(args, "policy", None) in ("sparse", "auto") or getattr(args, "scsa", False)):
-        raise LongattnError(f"--kv {args.kv}: the sparse policy indexes float32 keys (use --kv f32)")
-
-
 def add_context_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-beyond-context", action="store_true",
                    help="run positions past the model's trained context under a policy with full-"

@@ -101,8 +101,6 @@ def run(args) -> int:
     if pool_format and args.compile == "jit":
         raise LongattnError(f"--kv {args.kv}: the torch.compile step stores f32 (drop --kv, or use --compile "
                             "aot or none)")
-    if pool_format and args.policy in ("sparse", "auto"):
-        raise LongattnError(f"--kv {args.kv}: the sparse policy indexes float32 keys (use --kv f32)")
     if args.compile == "aot":  # refused here, before anything is read or built
         if args.policy in ("sparse", "auto"):
             raise LongattnError("--compile aot runs window and dense layers only; use --compile for --policy "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import add_kv_arg, add_lab_parser, add_output_args, check_kv_policy, save_results, setup_threads
+from .common import add_kv_arg, add_lab_parser, add_output_args, save_results, setup_threads
 from .sweep_args import add_sweep_args, load_sweep_checkpoint, save_markdown, sweep_settings
 
 
@@ -40,7 +40,6 @@ def run(args) -> int:
         raise LongattnError("--chunk must be >= 1")
     if any(w < 1 for w in args.windows):
         raise LongattnError("--windows must be positive")
-    check_kv_policy(args)
     out = out_dir(args.out)
     ck = load_sweep_checkpoint(args, "quality needs text passages")
     stem = f"quality_{slug(ck.name)}"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .common import add_kv_arg, add_lab_parser, add_output_args, check_kv_policy, save_results, setup_threads
+from .common import add_kv_arg, add_lab_parser, add_output_args, save_results, setup_threads
 from .sweep_args import add_sweep_args, load_sweep_checkpoint, save_markdown, sweep_settings
 
 
@@ -49,7 +49,6 @@ def run(args) -> int:
         raise LongattnError("need --window >= 1, --sinks >= 0, --length >= 2 and --chunk >= 1")
     if any(d < 1 or d > args.length for d in args.distances):
         raise LongattnError(f"--distances must lie in 1..--length ({args.length})")
-    check_kv_policy(args)
     out = out_dir(args.out)
     ck = load_sweep_checkpoint(args, "retrieval needs text prompts")
     cfg = ck.config

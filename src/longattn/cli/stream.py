@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ..errors import LongattnError
-from .common import (add_context_arg, add_kv_arg, check_kv_policy, add_json_arg, add_model_args, add_policy_args, check_chunk,
+from .common import (add_context_arg, add_kv_arg, add_json_arg, add_model_args, add_policy_args, check_chunk,
                      check_context, check_policy_args, check_token_ids, emit_json, load_model,
                      model_for, open_checkpoint, policy_from_args, read_text_file, setup_threads)
 
@@ -75,7 +75,6 @@ def run(args) -> int:
         raise LongattnError("--repeat must be >= 1")
     if args.max_tokens is not None and args.max_tokens < 2:
         raise LongattnError("--max-tokens must be >= 2")
-    check_kv_policy(args)
     text = read_text_file(args.file, "--file") if args.file else all_books_text()
     ck = open_checkpoint(args)
     policy = policy_from_args(ck.config, args)

@@ -157,8 +157,6 @@ class LongattnCache(Cache):
         check_transformers_version()
         if kv not in KV_FORMATS:
             raise LongattnError(f"kv must be one of {', '.join(KV_FORMATS)}, got {kv!r}")
-        if kv != "f32" and any(lp.kind == "sparse" for lp in policy.layers):
-            raise LongattnError(f"kv={kv!r}: the sparse policy indexes float32 keys (use kv='f32')")
         self.model_config = model_config(config)
         cfg = self.model_config
         if len(policy.layers) != cfg.num_layers:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from ..cache.kv_format import widen
+
 from .clustering import cluster_block, outlier_width
 from .config import SCSAConfig
 from .experimental.tree import ClusterTree, build_tree
@@ -121,7 +123,8 @@ class ClusterIndex:
         """Bring the index up to date with the cache; returns how many blocks were (re)built.
 
         Args:
-            k, v: ``[Hkv, N, D]``, the whole cache of this row (append-only between calls).
+            k, v: ``[Hkv, N, D]``, the whole cache of this row (append-only between calls), or its
+                stored rows of another format (cache/kv_format.py: widened block by block).
         A cache shorter than the sealed region, or whose sealed keys changed, is replanned.
         """
         if self.is_current(k):
@@ -142,7 +145,7 @@ class ClusterIndex:
         for j in range(self.frozen_blocks, last_block + 1):
             lo = cfg.sink + j * bs
             hi = min(lo + bs, target)
-            self._build_block(j * cpb, lo, k[:, lo:hi].float(), v[:, lo:hi].float())
+            self._build_block(j * cpb, lo, widen(k[:, lo:hi], self.d), widen(v[:, lo:hi], self.d))
             built += 1
             if hi - lo == bs:
                 self.frozen_blocks = j + 1
@@ -167,8 +170,8 @@ class ClusterIndex:
         blocks' outliers, which lead the ascending slots) stay and the rest are gathered anew.
         Costs the outliers' rows once more (6% of the sealed rows at ``outliers`` = 8 of 128)."""
         idx = self.extra_slots[:, kept:].unsqueeze(-1).expand(-1, -1, k.shape[-1])
-        self.extra_k = torch.cat([self.extra_k[:, :kept], k.gather(1, idx)], 1)
-        self.extra_v = torch.cat([self.extra_v[:, :kept], v.gather(1, idx)], 1)
+        self.extra_k = torch.cat([self.extra_k[:, :kept], widen(k.gather(1, idx), self.d)], 1)
+        self.extra_v = torch.cat([self.extra_v[:, :kept], widen(v.gather(1, idx), self.d)], 1)
 
     def _build_block(self, c0: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Cluster rows ``[lo, lo + n)`` into clusters ``c0 ..``; k, v float32 ``[Hkv, n, D]``."""

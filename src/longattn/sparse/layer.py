@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..cache.kv_format import row_width, widen
 from ..errors import LongattnError
 from ..ops import native
 from ..ops.dense import flash_attention_lse, with_learned_sinks
@@ -41,6 +42,10 @@ MAX_HEAD_DIM = 512
 PAD_WASTE = 1.3  # read padded batches only while they cost at most this much more than needed
 # outlier_rows: the part of exact_rows that are clusters' outliers (SCSAConfig.outliers)
 COUNTER_NAMES = ("rebuilds", "opened_rows", "exact_rows", "outlier_rows", "clusters_scored", "calls")
+
+
+# the cache formats the native call reads (cache/kv_format.py; stored rows widen as they are read)
+NATIVE_ROWS = (torch.float32, torch.bfloat16, torch.int8)
 
 
 def _native_call(*args):
@@ -284,10 +289,10 @@ class SCSALayer:
         per sparse layer and step, where the general path's Python checks are a visible share of
         the call (``scsa_alternate.py --general`` compares the two)."""
         index, args, scale0, q_shape, _ = hot
-        D = self.head_dim
+        W = row_width(k.dtype, self.head_dim)  # a stored row (cache/kv_format.py)
         if q.shape != q_shape or k.shape != v.shape or k.shape[:2] != (1, self.num_kv_heads) \
-                or k.shape[3] != D or k.dtype != torch.float32 or v.dtype != torch.float32 \
-                or q.dtype != torch.float32 or k.stride()[2:] != (D, 1) or v.stride()[2:] != (D, 1) \
+                or k.shape[3] != W or k.dtype not in NATIVE_ROWS or v.dtype != k.dtype \
+                or q.dtype != torch.float32 or k.stride()[2:] != (W, 1) or v.stride()[2:] != (W, 1) \
                 or scale != scale0:
             return None
         n = k.shape[2]
@@ -314,15 +319,16 @@ class SCSALayer:
         if H != self.num_heads or D != self.head_dim:
             raise LongattnError(f"SCSALayer.attend: q is {list(q.shape)}, expected "
                                 f"[B, {self.num_heads}, 1, {self.head_dim}]")
-        if k.shape != v.shape or k.shape[0] != B or k.shape[1] != self.num_kv_heads or k.shape[3] != D:
+        W = row_width(k.dtype, D)  # a stored row: D values, or D int8 codes and their scales
+        if k.shape != v.shape or k.shape[0] != B or k.shape[1] != self.num_kv_heads or k.shape[3] != W:
             raise LongattnError(f"SCSALayer.attend: k {list(k.shape)} / v {list(v.shape)} must both be "
-                                f"[{B}, {self.num_kv_heads}, N, {self.head_dim}]")
+                                f"[{B}, {self.num_kv_heads}, N, {W}]")
         if k.shape[2] < 1:
             raise LongattnError("SCSALayer.attend: the cache is empty")
 
     def _dense(self, q, k, v, scale):
         """Exact attention of the call's queries over the whole cache (learned sinks included)."""
-        qf, kf, vf = q.float(), k.float(), v.float()
+        qf, kf, vf = q.float(), widen(k, self.head_dim), widen(v, self.head_dim)
         if self.sink_logits is not None:
             o, lse = flash_attention_lse(qf, kf, vf, None, False, scale)
             return with_learned_sinks(o, lse, self.sink_logits).to(q.dtype)
@@ -471,13 +477,14 @@ class SCSALayer:
         return out.reshape(self.num_heads, self.head_dim)
 
     def _native_applies(self, index: ClusterIndex, k_row, v_row) -> bool:
-        """The C++ kernel covers flat selection over q8_0 rows with float32 caches whose rows are
-        contiguous (the model's caches are; other layouts take the PyTorch path)."""
+        """The C++ kernel covers flat selection over q8_0 rows with float32, bfloat16 or int8
+        caches whose rows are contiguous (the model's caches are; other layouts take the PyTorch
+        path)."""
         cfg = self.cfg
         if not cfg.native or cfg.hierarchical or cfg.refine or cfg.packing != "q8_0" or index.num_clusters == 0:
             return False
-        D = self.head_dim
-        return all(t.dtype == torch.float32 and t.stride(-1) == 1 and t.stride(-2) == D
+        W = row_width(k_row.dtype, self.head_dim)
+        return all(t.dtype in NATIVE_ROWS and t.dtype == k_row.dtype and t.stride(-1) == 1 and t.stride(-2) == W
                    for t in (k_row, v_row)) and native.available()
 
     def _native_args(self, index: ClusterIndex, taus, scale) -> NativeArgs:

@@ -40,12 +40,12 @@ class SparseOp:
         # (bit-identical); SCSA only ever sees long decode steps.
         self.dense = WindowOp(None, 0, None, policy.fused_decode)
 
-    def scsa(self, view, num_heads: int) -> SCSALayer:
+    def scsa(self, view, num_heads: int, head_dim: int) -> SCSALayer:
         """The SCSALayer this cache keeps for the layer (made on first use, with the policy's
         frozen taus when it has them)."""
         sc = view.state.get(STATE_KEY)
         if sc is None:
-            sc = SCSALayer(self.cfg, num_heads, view.k.shape[1], view.k.shape[3], layer_index=self.layer_index,
+            sc = SCSALayer(self.cfg, num_heads, view.k.shape[1], head_dim, layer_index=self.layer_index,
                            taus=self.lp.taus)
             view.state[STATE_KEY] = sc
         return sc
@@ -58,9 +58,9 @@ class SparseOp:
             out = self.dense(q, q_pos, view, scale, softcap, sink_logits)
             if Tq > 1 and view.cached and softcap is None and self.cfg.index_in_prefill \
                     and k.shape[2] >= self.cfg.min_context and not bool((k_pos < 0).any()):
-                self._grow_index(view, H)
+                self._grow_index(view, H, D)
             return out
-        sc = self.scsa(view, H)
+        sc = self.scsa(view, H, D)
         # SCSA reads the append-only cache slot i = i-th token; padding slots would break that.
         if bool((k_pos < 0).any()):
             raise LongattnError("the sparse policy needs unpadded streams (one stream, or equal lengths)")
@@ -69,17 +69,18 @@ class SparseOp:
             return self.dense(q, q_pos, view, scale, softcap, sink_logits)
         return sc.attend(q, k, v, scale, sink_logits)
 
-    def _grow_index(self, view, num_heads: int) -> None:
+    def _grow_index(self, view, num_heads: int, head_dim: int) -> None:
         """Seal the full blocks of the prompt so far (``view.k, view.v [B, Hkv, N, D]``) into
         each row's index, so the first decode step builds only the last, partial block. A layer
         that attends exactly after calibration keeps no index (SCSALayer.attend), so it is skipped."""
         cfg = self.cfg
         k, v = view.k, view.v
-        B, Hkv, N, D = k.shape
+        B, Hkv, N, _ = k.shape
+        D = head_dim
         full = (N - cfg.sink - cfg.recent) // cfg.block_size
         if full < 1:
             return
-        layer = self.scsa(view, num_heads)
+        layer = self.scsa(view, num_heads, head_dim)
         if layer.runs_exact:
             return
         if len(layer.indexes) != B:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache.kv_format import widen
+
 from .index import ClusterIndex
 from .kernel import NEG_INF, cluster_scores
 
@@ -55,20 +57,22 @@ def prepare(index: ClusterIndex, q_row: torch.Tensor, k_row: torch.Tensor, v_row
 
     Args:
         index: the row's cluster index (its exact slots and live summaries).
-        q_row: ``[H, D]``; k_row, v_row: ``[Hkv, N, D]``; scale: beta.
+        q_row: ``[H, D]``; k_row, v_row: ``[Hkv, N, D]`` (or stored rows ``[Hkv, N, W]`` of
+            another format: cache/kv_format.py); scale: beta.
         group: query heads per KV head (``H // Hkv``).
         flat_scores: also score every cluster (``tail``, ``est``), as flat selection needs.
         sink_logits: ``[H]`` learned sink logits (gpt-oss) or None: one more exact term per
             query head whose value row is zero, so they join the output's normaliser and the
             stop rule's exact mass.
     """
-    hkv, n, D = k_row.shape
+    hkv, n, W = k_row.shape
+    D = q_row.shape[-1]
     qg = q_row.float().reshape(hkv, group, D)  # [Hkv, g, D]
     s0, s1 = index.exact_slots(n)
-    at = index.extra_slots.unsqueeze(-1).expand(-1, -1, D)  # the outliers [Hkv, X, D]
-    # sink, outliers, suffix: the order of every path's exact rows
-    k_ex = torch.cat([k_row[:, :s0], k_row.gather(1, at), k_row[:, s1:]], 1).float()  # [Hkv, E, D]
-    v_ex = torch.cat([v_row[:, :s0], v_row.gather(1, at), v_row[:, s1:]], 1).float()
+    at = index.extra_slots.unsqueeze(-1).expand(-1, -1, W)  # the outliers [Hkv, X, W]
+    # sink, outliers, suffix: the order of every path's exact rows (stored rows widened)
+    k_ex = widen(torch.cat([k_row[:, :s0], k_row.gather(1, at), k_row[:, s1:]], 1), D)  # [Hkv, E, D]
+    v_ex = widen(torch.cat([v_row[:, :s0], v_row.gather(1, at), v_row[:, s1:]], 1), D)
     s_ex = torch.bmm(qg, k_ex.transpose(1, 2)) * scale  # [Hkv, g, E]
     if sink_logits is not None:
         s_ex = torch.cat([s_ex, sink_logits.float().view(hkv, group, 1)], -1)

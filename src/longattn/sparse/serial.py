@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from ..cache.kv_format import widen
+
 from .experimental.tree_walk import walk_limit
 from .kernel import Selection
 
@@ -74,7 +76,8 @@ def serial_row(cfg, index, q_row: torch.Tensor, k_row: torch.Tensor, v_row: torc
 
     Returns ``(out [Hkv, g, D] float64, Selection)``.
     """
-    hkv, n, D = k_row.shape
+    hkv, n, _ = k_row.shape
+    D = q_row.shape[-1]
     g = q_row.shape[0] // hkv
     M = index.num_clusters
     exact_lists = index.exact_slot_lists(n).tolist()  # per KV head: sink, outliers, suffix
@@ -96,8 +99,8 @@ def serial_row(cfg, index, q_row: torch.Tensor, k_row: torch.Tensor, v_row: torc
         q64 = qs.double()  # exact rows and tails see the full-precision query
         q_store = index.store.query_view(qs.unsqueeze(0))[0].double()  # opened rows: as packed
         exact_slots = exact_lists[h]
-        kx = k_row[h, exact_slots].double()
-        vx = v_row[h, exact_slots].double()
+        kx = widen(k_row[h, exact_slots], D, torch.float64)
+        vx = widen(v_row[h, exact_slots], D, torch.float64)
         exact_logits = [[beta * float(q64[j] @ kx[i]) for i in range(len(exact_slots))] for j in range(g)]
         if sink_logits is not None:  # one more exact term per query head, its value row zero
             for j in range(g):

@@ -4,7 +4,11 @@
 // SCSALayer._output); see that package for the maths.
 //
 //   q          [H, D]            float32  the row's decode queries (H = Hkv * G)
-//   k, v       [Hkv, N, D]       float32  the row's whole cache (rows contiguous, any head stride)
+//   k, v       [Hkv, N, D]       float32  the row's whole cache (rows contiguous, any head stride),
+//              or bfloat16, or [Hkv, N, W] int8 q8 rows (W = D + 4 * ceil(D / 32), cache/kv_format.py):
+//                                         each exact row read is widened first, as decode_attention
+//                                         widens it, so the bits are the float32 call's on the
+//                                         widened cache
 //                                         (or, for one row, q [1, H, 1, D] and k, v [1, Hkv, N, D]:
 //                                         out is then [1, H, 1, D])
 //   s0, s1                                slots [0, s0) and [s1, N) are read exactly
@@ -617,13 +621,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
   const at::Tensor k = four ? k_in.select(0, 0) : k_in;
   const at::Tensor v = four ? v_in.select(0, 0) : v_in;
   TORCH_CHECK(q.dim() == 2 && k.dim() == 3 && v.dim() == 3, "scsa_decode: q [H, D], k/v [Hkv, N, D]");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "scsa_decode: q, k, v must be float32");
+  const auto kt_ = k.scalar_type();
+  TORCH_CHECK(q.scalar_type() == at::kFloat && v.scalar_type() == kt_ &&
+              (kt_ == at::kFloat || kt_ == at::kBFloat16 || kt_ == at::kChar),
+              "scsa_decode: float32 queries; k and v float32, bfloat16 or int8 q8 rows alike");
+  const bool bf16 = kt_ == at::kBFloat16, q8 = kt_ == at::kChar;
   const int64_t H = q.size(0), D = q.size(1), Hkv = k.size(0), N = k.size(1);
+  const int64_t W = q8 ? longattn::q8_width(D) : D;  // elements of a stored row
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "scsa_decode: query heads must be a multiple of KV heads");
   TORCH_CHECK(D % 8 == 0 && D <= 512, "scsa_decode: head_dim must be a multiple of 8 and <= 512");
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == D && k.stride(2) == 1 && k.stride(1) == D &&
-              v.stride(2) == 1 && v.stride(1) == D, "scsa_decode: k/v [Hkv, N, D] with contiguous rows");
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == W && k.stride(2) == 1 && k.stride(1) == W &&
+              v.stride(2) == 1 && v.stride(1) == W, "scsa_decode: k/v [Hkv, N, W] with contiguous rows");
   TORCH_CHECK(0 <= s0 && s0 <= s1 && s1 <= N, "scsa_decode: need 0 <= s0 <= s1 <= N");
   TORCH_CHECK(extra.dim() == 2 && extra.size(0) == Hkv && extra.scalar_type() == at::kLong && extra.is_contiguous(),
               "scsa_decode: extra int64 [Hkv, X] contiguous");
@@ -676,8 +684,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
   const float beta = static_cast<float>(scale);
   const float half_b2 = static_cast<float>(0.5 * scale * scale);  // as PyTorch rounds the scalar
   const float* qp = qc.data_ptr<float>();
-  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const int64_t k_hs = k.stride(0), v_hs = v.stride(0);
+  const char *kp = static_cast<const char*>(k.data_ptr()), *vp = static_cast<const char*>(v.data_ptr());
+  const int64_t k_hs = k.stride(0) * k.element_size(), v_hs = v.stride(0) * v.element_size();
+  const int64_t row_bytes = W * k.element_size();
+  const bool stored = bf16 || q8;  // rows that widen into scratch before they are read
   const float *summp = summ.data_ptr<float>(), *residp = resid.data_ptr<float>();
   const float *lcp = log_counts.data_ptr<float>(), *radp = radius.data_ptr<float>();
   const float *vmp = vmean.data_ptr<float>(), *tausp = taus.data_ptr<float>();
@@ -700,11 +710,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
   const int64_t tile_bytes = tiles * 8 * D;
   at::parallel_for(0, Hkv, 1, [&](int64_t h0, int64_t h1) {
     // per-thread scratch kept between calls (see fit)
-    thread_local std::vector<float> q2, qn, est, tail, sx, lex, tmp, w;
+    thread_local std::vector<float> q2, qn, est, tail, sx, lex, tmp, w, wk, wv;
     thread_local std::vector<Ranked> order;
     thread_local std::vector<const float*> rows, vrows, vm_rows, srow, rrow;
     fit(q2, G * D); fit(qn, G); fit(est, G * M); fit(tail, G * M); fit(sx, G * E); fit(lex, G); fit(tmp, D);
     fit(w, G * M); fit(order, M); fit(rows, E); fit(vrows, E); fit(vm_rows, M); fit(srow, 8 * R1); fit(rrow, 8);
+    if (stored) {
+      fit(wk, E * D);
+      fit(wv, E * D);
+    }
     for (int64_t h = h0; h < h1; ++h) {
       const float* qh = qp + h * G * D;
       for (int64_t g = 0; g < G; ++g) {
@@ -745,8 +759,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
         }
       }
       // exact rows: sinks, the outliers, then the unsealed suffix
-      const float* kh = kp + h * k_hs;
-      const float* vh = vp + h * v_hs;
+      const char* kh = kp + h * k_hs;
+      const char* vh = vp + h * v_hs;
       for (int64_t e = 0; e < E; ++e) {
         if (xkp != nullptr && e >= s0 && e < s0 + X) {  // the index's copy of this outlier row
           rows[e] = xkp + (h * X + e - s0) * D;
@@ -754,8 +768,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> scsa_decode(
           continue;
         }
         const int64_t slot = e < s0 ? e : e < s0 + X ? xp[h * X + e - s0] : s1 + (e - s0 - X);
-        rows[e] = kh + slot * D;
-        vrows[e] = vh + slot * D;
+        const char *kr = kh + slot * row_bytes, *vr = vh + slot * row_bytes;
+        if (!stored) {
+          rows[e] = reinterpret_cast<const float*>(kr);
+          vrows[e] = reinterpret_cast<const float*>(vr);
+          continue;
+        }
+        float *ko = wk.data() + e * D, *vo = wv.data() + e * D;
+        if (q8) {
+          longattn::q8_widen(reinterpret_cast<const int8_t*>(kr), D, ko);
+          longattn::q8_widen(reinterpret_cast<const int8_t*>(vr), D, vo);
+        } else {
+          const auto *kb = reinterpret_cast<const uint16_t*>(kr), *vb = reinterpret_cast<const uint16_t*>(vr);
+          for (int64_t d = 0; d < D; ++d) {
+            ko[d] = longattn::to_float(kb[d]);
+            vo[d] = longattn::to_float(vb[d]);
+          }
+        }
+        rows[e] = ko;
+        vrows[e] = vo;
       }
       // Every query head reads each block of rows while it is in L1 (8 key rows, then 32 value
       // rows, for all G heads): with the clusters' outliers E reaches thousands of scattered
