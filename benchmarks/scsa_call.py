@@ -21,6 +21,9 @@ kernel alone, on the arguments SCSALayer passes it) and ``static-op`` (the compi
 step's op ``longattn::scsa_step`` with its per-layer Python, over the same cache as a
 SparseState holds it), both in the kernels' automatic form: ``scsa-native`` − ``kernel`` is
 SCSALayer.attend's Python, ``static-op`` − ``scsa-native`` the op's.
+``--kv F ...`` adds, per cache format F other than f32 (cache/kv_format.py: bf16, int8), the arms
+``scsa-native@tau/F`` (automatic form) and ``fused-dense/F`` over the same cache stored as F: both
+widen the rows they read (SCSA only its exact rows; its index holds packed copies either way).
 ``--outlier-slots`` adds, per native arm, ``...+slots``: the same layer with the index's contiguous
 outlier copies withheld, so the call reads the outliers from the cache by slot (the same bits).
 
@@ -40,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 
+from longattn.cache.kv_format import KV_FORMATS, encode
 from longattn.host import cpu_description
 from longattn.ops import native
 from longattn.sparse import SCSAConfig, SCSALayer
@@ -108,6 +112,8 @@ def main():
     ap.add_argument("--python", action="store_true",
                     help="arms kernel@tau and static-op@tau: the kernel alone and the static step's op, "
                          "to price the Python around the call")
+    ap.add_argument("--kv", nargs="+", default=["f32"], choices=list(KV_FORMATS),
+                    help="cache formats: arms scsa-native@tau/F and fused-dense/F for each F other than f32")
     ap.add_argument("--out", default=str(RESULTS / "scsa_call.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -154,6 +160,20 @@ def main():
         if wide:  # each form forced
             arms["fused-dense-avx2"] = lambda i: fused(i, "avx2")
             arms["fused-dense-avx512"] = lambda i: fused(i, "avx512")
+        for fmt in (f for f in args.kv if f != "f32"):
+            stored = [tuple(encode(t, KV_FORMATS[fmt]) for t in b) for b in bufs]
+            skv = lambda i, s=stored: s[i % len(s)]  # noqa: E731
+            for tau in args.taus:
+                per_copy = []
+                for k, v in stored:
+                    layer = SCSALayer(SCSAConfig(min_context=0, calib_steps=0, tau_default=tau,
+                                                 outliers=args.outliers[0]), H, HKV, D)
+                    layer.attend(qs[0], k, v, scale)  # builds the index, untimed
+                    per_copy.append(layer)
+                arms[f"scsa-native@{tau}/{fmt}"] = (lambda i, Ls=per_copy, f=skv: Ls[i % len(Ls)].attend(
+                    qs[i], *f(i), scale))
+            arms[f"fused-dense/{fmt}"] = lambda i, f=skv: torch.ops.longattn_cpu.decode_attention(
+                qs[i], *f(i), k_pos, q_pos, none, none, 0, 0, scale)
         arms["read-floor"] = lambda i: [t.sum() for t in kv(i)]
         arms["sdpa-dense"] = lambda i: F.scaled_dot_product_attention(qs[i], *kv(i), scale=scale, enable_gqa=True)
         samples = {a: [] for a in arms}
@@ -177,7 +197,7 @@ def main():
     RESULTS.mkdir(parents=True, exist_ok=True)
     write_result(args.out, {"threads": args.threads, "cpu": cpu_description(), "shape": [H, HKV, D],
                             "calls": args.calls, "copies": args.copies, "outliers": args.outliers,
-                            "outlier_slots": args.outlier_slots, "python": args.python,
+                            "outlier_slots": args.outlier_slots, "python": args.python, "kv": args.kv,
                             "repeats": args.repeats, "rows": rows})
     print(f"wrote {args.out}")
 
