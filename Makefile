@@ -36,7 +36,7 @@ $(SDIST):
 	-$(VPY) -m pip download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d $(dir $(SDIST))
 
 test: $(STAMP) $(SDIST) kernels
-	LONGATTN_LLAMACPP_SDIST=$(abspath $(SDIST)) $(VPY) -m pytest -q tests
+	LONGATTN_LLAMACPP_SDIST=$(abspath $(SDIST)) $(VPY) -m pytest -q --durations=25 tests
 
 test-fast: $(STAMP) kernels
 	$(VPY) -m pytest -q -m "not real" tests
