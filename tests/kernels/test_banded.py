@@ -164,3 +164,27 @@ def test_bad_shapes_raise_one_clear_error():
         banded_attention(q, k, v[:, :, :4], 4)
     with pytest.raises(LongattnError, match="4-D"):
         banded_attention(q[0], k[0], v[0], 4)
+
+
+@pytest.mark.parametrize("H,Hkv,Tq,Tk,D,window,sinks", [(4, 2, 30, 80, 8, None, 0), (14, 2, 64, 300, 64, None, 0),
+                                                      (6, 3, 17, 18, 16, 18, 4), (8, 8, 100, 500, 32, 10_000, 2)])
+@pytest.mark.parametrize("learned", [False, True])
+def test_a_chunk_over_every_earlier_key_reads_them_whole_and_itself_causally(H, Hkv, Tq, Tk, D, window, sinks,
+                                                                             learned):
+    """attend's prefix path (a chunk at the end of keys 0..Tk-1, no window within reach): within
+    twice the plain masked fp32 path's error against float64, learned sinks included, and what
+    attend runs for such a chunk."""
+    from longattn.ops.attention import attend
+    from longattn.ops.dense import prefix_causal_attention
+    q, k, v = _inputs(1, H, Hkv, Tq, Tk, D, seed=Tq)
+    sinks_l = torch.linspace(-1, 2, H, dtype=torch.float64) if learned else None
+    q_pos, k_pos = torch.arange(Tk - Tq, Tk)[None], torch.arange(Tk)[None]
+    mask = allowed_mask(q_pos, k_pos, window, sinks)
+    scale = D ** -0.5
+    ref = reference_attention(q, k, v, mask, scale, sink_logits=sinks_l)
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    s32 = None if sinks_l is None else sinks_l.float()
+    plain = masked_attention(q32, k32, v32, mask, scale, sink_logits=s32)
+    out = prefix_causal_attention(q32, k32, v32, scale, s32)
+    assert max_err(out, ref) <= derived_bound(max_err(plain, ref), floor=ONE_ULP)
+    assert torch.equal(attend(q32, q_pos, k32, v32, k_pos, window, sinks, scale, sink_logits=s32), out)

@@ -14,6 +14,8 @@ stay readable) and choose among the kernels below from shapes, dtypes and positi
              float32, no soft-cap; the mask is decided from positions inside the kernel
     banded   O(T*W) prefill (ops/banded.py) for long windowed chunks over keys 0..T-1
     causal   SDPA's fused causal kernel when the mask is exactly causal
+    prefix   a chunk over every earlier key: the earlier keys whole, the chunk causally, merged by
+             log-normalisers (ops.dense.prefix_causal_attention; no mask built)
     masked   SDPA (or grouped matmuls for few queries) under an explicit boolean mask
     matmul   two batched matmuls and a softmax over the static buffer
     flash    ATen's blocked CPU flash kernel over the static buffer, own key merged after
@@ -29,7 +31,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import native
-from .dense import causal_attention, masked_attention
+from .dense import causal_attention, masked_attention, prefix_causal_attention
 from .masks import allowed_mask
 
 # Prefill chunks at least this long take the banded path on windowed layers; below it the
@@ -163,6 +165,8 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         return banded_attention(q, k, v, window, sinks, scale, sink_logits=sink_logits)
     if _plain_causal(q, q_pos, k_pos, window, softcap):
         return causal_attention(q, k, v, scale, sink_logits)
+    if _prefix_then_causal(q, q_pos, k_pos, window, softcap):
+        return prefix_causal_attention(q, k, v, scale, sink_logits)
     mask = masks.mask(q_pos, k_pos, window, sinks) if masks is not None else \
         allowed_mask(q_pos, k_pos, window, sinks)
     return masked_attention(q, k, v, mask, scale, softcap, sink_logits)
@@ -198,6 +202,18 @@ def _plain_causal(q, q_pos, k_pos, window, softcap) -> bool:
     An unset window and any window >= T take this same path (bit-identical)."""
     Tq, Tk = q.shape[2], k_pos.shape[1]
     if softcap is not None or Tq != Tk or Tq <= 16 or q.shape[0] != 1:
+        return False
+    if window is not None and window < Tk:
+        return False
+    return _keys_from_zero(q_pos, k_pos)
+
+
+def _prefix_then_causal(q, q_pos, k_pos, window, softcap) -> bool:
+    """A float32 chunk of more than a few queries over keys 0..Tk-1 that end with it, no window
+    within reach: every earlier key whole, the chunk's own causally (the chunked prefill of a
+    global layer, generate's default)."""
+    Tq, Tk = q.shape[2], k_pos.shape[1]
+    if softcap is not None or not 16 < Tq < Tk or q.shape[0] != 1 or q.dtype != torch.float32:
         return False
     if window is not None and window < Tk:
         return False

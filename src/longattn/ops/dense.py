@@ -101,6 +101,34 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return out.masked_fill(~any_ok, 0.0)
 
 
+def prefix_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                            sink_logits: torch.Tensor | None = None) -> torch.Tensor:
+    """A prefill chunk over everything before it: queries ``[1, H, T, D]`` at the last T of the
+    keys ``[1, Hkv, S, D]`` (S > T), query t reading keys ``0 .. S - T + t``.
+
+    Two flash calls merged by their log-normalisers: every query reads the ``S - T`` earlier keys
+    whole (a KV head's G query heads as one ``G * T``-row product), and the chunk's own keys
+    causally. No ``[T, S]`` mask is built or read (the masked path's boolean and float masks are
+    ~24 MiB a layer for a 512-token chunk at 8K), and the earlier keys meet all of a group's
+    queries in one product. Equal to
+    ``masked_attention`` under the causal mask up to summation order (learned ``sink_logits``
+    ``[H]`` included). -> ``[1, H, T, D]``.
+    """
+    _, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    P = S - T
+    o1, l1 = flash_attention_lse(q.reshape(1, Hkv, (H // Hkv) * T, D), k[:, :, :P], v[:, :, :P], None, False,
+                                 scale)
+    o1, l1 = o1.reshape(1, H, T, D), l1.reshape(1, H, T)
+    o2, l2 = flash_attention_lse(q, k[:, :, P:], v[:, :, P:], None, True, scale)
+    m = torch.maximum(l1, l2)
+    a, b = torch.exp(l1 - m), torch.exp(l2 - m)
+    o = (o1 * a.unsqueeze(-1) + o2 * b.unsqueeze(-1)) / (a + b).unsqueeze(-1)
+    if sink_logits is not None:
+        return with_learned_sinks(o, m + torch.log(a + b), sink_logits)
+    return o
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                      sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     """Plain causal attention (query t reads keys 0..t) through the fused kernel.
