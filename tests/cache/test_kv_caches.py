@@ -90,6 +90,12 @@ def test_rings_equal_growing_caches_before_they_wrap(dtype, family, sinks):
     assert torch.equal(runs["auto"], runs["growing"])
 
 
+def test_the_native_readers_take_every_format_as_stored():
+    from longattn.cache.kv_format import KV_FORMATS
+    from longattn.ops.attention import STORED_DTYPES
+    assert set(STORED_DTYPES) == set(KV_FORMATS.values())
+
+
 def test_only_int8_caches_rotate_keys():
     """The cache turns keys (and the attention queries) by an orthogonal matrix only where its
     format needs it (kv_format.key_rotation)."""

@@ -40,6 +40,10 @@ BANDED_MIN_TOKENS = 2048
 
 STATIC_KERNELS = ("fused", "matmul", "flash")
 
+# the cache formats' dtypes (cache/kv_format.KV_FORMATS, not imported here: the cache package
+# imports this module), which the native readers (decode_attention, scsa_decode) take as stored
+STORED_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+
 
 def _same_positions(kept: torch.Tensor, pos: torch.Tensor) -> bool:
     return (kept.shape == pos.shape and kept.dtype == pos.dtype and kept.device == pos.device
@@ -114,7 +118,7 @@ def fused_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap,
     float32, bfloat16 or int8 (q8 rows) cache read in place (learned sink logits, float32,
     included)."""
     return (q.shape[2] == 1 and softcap is None and q.dtype == torch.float32 and k.dtype == v.dtype
-            and k.dtype in (torch.float32, torch.bfloat16, torch.int8)
+            and k.dtype in STORED_DTYPES
             and (sink_logits is None or sink_logits.dtype == torch.float32) and native.available())
 
 
@@ -122,7 +126,7 @@ def paged_fused_applies(q: torch.Tensor, pool: torch.Tensor, sink_logits=None) -
     """The fused kernel reads a paged pool in place: float32 queries, a float32, bfloat16 or
     int8 (q8) pool (soft-capped scores included: a paged cache has no other path that is the same bits
     at every chunking)."""
-    return (q.dtype == torch.float32 and pool.dtype in (torch.float32, torch.bfloat16, torch.int8)
+    return (q.dtype == torch.float32 and pool.dtype in STORED_DTYPES
             and (sink_logits is None or sink_logits.dtype == torch.float32) and native.available())
 
 
@@ -163,10 +167,11 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if _banded_applies(q, q_pos, k_pos, window, softcap, banded_min_tokens):
         from .banded import banded_attention
         return banded_attention(q, k, v, window, sinks, scale, sink_logits=sink_logits)
-    if _plain_causal(q, q_pos, k_pos, window, softcap):
-        return causal_attention(q, k, v, scale, sink_logits)
-    if _prefix_then_causal(q, q_pos, k_pos, window, softcap):
-        return prefix_causal_attention(q, k, v, scale, sink_logits)
+    if _reads_every_earlier_key(q, q_pos, k_pos, window, softcap):
+        if q.shape[2] == k_pos.shape[1]:
+            return causal_attention(q, k, v, scale, sink_logits)
+        if q.dtype == torch.float32:  # float64 reference runs keep the masked path
+            return prefix_causal_attention(q, k, v, scale, sink_logits)
     mask = masks.mask(q_pos, k_pos, window, sinks) if masks is not None else \
         allowed_mask(q_pos, k_pos, window, sinks)
     return masked_attention(q, k, v, mask, scale, softcap, sink_logits)
@@ -196,24 +201,14 @@ def paged_rows_attention(q, q_pos, k: PagedRows, v: PagedRows, k_pos, window, si
     return y.view(B, Tq, H, D).transpose(1, 2) if Tq > 1 else y
 
 
-def _plain_causal(q, q_pos, k_pos, window, softcap) -> bool:
-    """A one-shot prefill whose mask is exactly causal (no window within reach, keys
-    0..T-1) can use the fused causal kernel, which skips the masked half of the work.
-    An unset window and any window >= T take this same path (bit-identical)."""
+def _reads_every_earlier_key(q, q_pos, k_pos, window, softcap) -> bool:
+    """A chunk of more than a few queries at the end of keys 0..Tk-1, no window within reach
+    (an unset window and any window >= Tk alike): its mask is exactly causal. With Tq == Tk (a
+    one-shot prefill) the fused causal kernel skips the masked half of the work; with Tq < Tk
+    (a chunk of a global layer's chunked prefill) the earlier keys are read whole and the chunk
+    causally, no mask built."""
     Tq, Tk = q.shape[2], k_pos.shape[1]
-    if softcap is not None or Tq != Tk or Tq <= 16 or q.shape[0] != 1:
-        return False
-    if window is not None and window < Tk:
-        return False
-    return _keys_from_zero(q_pos, k_pos)
-
-
-def _prefix_then_causal(q, q_pos, k_pos, window, softcap) -> bool:
-    """A float32 chunk of more than a few queries over keys 0..Tk-1 that end with it, no window
-    within reach: every earlier key whole, the chunk's own causally (the chunked prefill of a
-    global layer, generate's default)."""
-    Tq, Tk = q.shape[2], k_pos.shape[1]
-    if softcap is not None or not 16 < Tq < Tk or q.shape[0] != 1 or q.dtype != torch.float32:
+    if softcap is not None or not 16 < Tq <= Tk or q.shape[0] != 1:
         return False
     if window is not None and window < Tk:
         return False

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from ..cache.kv_format import row_width, widen
 from ..errors import LongattnError
 from ..ops import native
+from ..ops.attention import STORED_DTYPES
 from ..ops.dense import flash_attention_lse, with_learned_sinks
 from . import calibrate
 from . import taus as tau_io
@@ -42,10 +43,6 @@ MAX_HEAD_DIM = 512
 PAD_WASTE = 1.3  # read padded batches only while they cost at most this much more than needed
 # outlier_rows: the part of exact_rows that are clusters' outliers (SCSAConfig.outliers)
 COUNTER_NAMES = ("rebuilds", "opened_rows", "exact_rows", "outlier_rows", "clusters_scored", "calls")
-
-
-# the cache formats the native call reads (cache/kv_format.py; stored rows widen as they are read)
-NATIVE_ROWS = (torch.float32, torch.bfloat16, torch.int8)
 
 
 def _native_call(*args):
@@ -291,7 +288,7 @@ class SCSALayer:
         index, args, scale0, q_shape, _ = hot
         W = row_width(k.dtype, self.head_dim)  # a stored row (cache/kv_format.py)
         if q.shape != q_shape or k.shape != v.shape or k.shape[:2] != (1, self.num_kv_heads) \
-                or k.shape[3] != W or k.dtype not in NATIVE_ROWS or v.dtype != k.dtype \
+                or k.shape[3] != W or k.dtype not in STORED_DTYPES or v.dtype != k.dtype \
                 or q.dtype != torch.float32 or k.stride()[2:] != (W, 1) or v.stride()[2:] != (W, 1) \
                 or scale != scale0:
             return None
@@ -484,7 +481,7 @@ class SCSALayer:
         if not cfg.native or cfg.hierarchical or cfg.refine or cfg.packing != "q8_0" or index.num_clusters == 0:
             return False
         W = row_width(k_row.dtype, self.head_dim)
-        return all(t.dtype in NATIVE_ROWS and t.dtype == k_row.dtype and t.stride(-1) == 1 and t.stride(-2) == W
+        return all(t.dtype in STORED_DTYPES and t.dtype == k_row.dtype and t.stride(-1) == 1 and t.stride(-2) == W
                    for t in (k_row, v_row)) and native.available()
 
     def _native_args(self, index: ClusterIndex, taus, scale) -> NativeArgs:
