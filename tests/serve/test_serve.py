@@ -402,13 +402,13 @@ def test_incremental_text_equals_decoding_everything():
 def test_cli_refuses_what_it_cannot_serve(capsys):
     from longattn.cli.main import main
     with pytest.raises(SystemExit) as refused:  # not one of serve's policies: argparse's refusal
-        main(["serve", "--model", "smollm2-135m", "--policy", "sparse"])
+        main(["serve", "--model", "smollm2-135m", "--policy", "auto"])
     assert refused.value.code == 2
     assert main(["serve", "--model", "smollm2-135m", "--port", "70000"]) == 2
     assert main(["serve", "--model", "smollm2-135m", "--kv-blocks", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and all(l.startswith("longattn: error: ") for l in err)
-    assert "sparse" in err[0] and "--port" in err[1] and "--kv-blocks" in err[2]
+    assert "auto" in err[0] and "--port" in err[1] and "--kv-blocks" in err[2]
 
 
 def _engine(checkpoint, policy=None, stop_ids=(), **cfg):

@@ -35,6 +35,10 @@ from .base import KVCache, LayerCache
 from .kv_format import encode, key_rotation, row_bytes, row_width
 
 
+# the attention kinds a paged stream holds blocks for ("sparse": every block, as a global layer)
+PAGED_KINDS = ("window", "sparse")
+
+
 class PoolExhausted(LongattnError):
     """The pool has no free block (admission control should have prevented it)."""
 
@@ -146,7 +150,9 @@ class PagedStream:
     (``truncate``): a chat's next turn often re-renders the end of the last reply differently
     (a template that trims it, a word cut by max_tokens), and without the margin a window would
     already have freed what continuing from there reads. ``next_pos``: positions
-    ``0 .. next_pos - 1`` have been stored.
+    ``0 .. next_pos - 1`` have been stored. ``op_state``: per layer, what its attention op keeps
+    across this stream's steps (``KVView.state``: a sparse layer's index and taus), read by a
+    ``PagedKVCache`` over this stream alone; it lives and dies with the stream's blocks.
     """
 
     windows: list
@@ -154,17 +160,19 @@ class PagedStream:
     tables: list = field(default_factory=list)
     next_pos: int = 0
     rewind: int = 0
+    op_state: list = field(default_factory=list)
 
     def __post_init__(self):
         self.tables = [BlockTable(t) for t in self.tables] if self.tables else [BlockTable() for _ in self.windows]
+        self.op_state = self.op_state or [{} for _ in self.windows]
 
     @classmethod
     def for_policy(cls, policy, rewind: int = 0) -> "PagedStream":
         """A stream whose layers free blocks by ``policy``'s windows and sinks (``rewind``: see
-        the class)."""
+        the class); sparse layers keep every block, as global ones do."""
         for lp in policy.layers:
-            if lp.kind != "window":
-                raise LongattnError(f"the paged cache serves window/dense layers only, not '{lp.kind}'")
+            if lp.kind not in PAGED_KINDS:
+                raise LongattnError(f"the paged cache serves {', '.join(PAGED_KINDS)} layers only, not '{lp.kind}'")
         return cls([lp.window if lp.window else None for lp in policy.layers],
                    [lp.sinks if lp.window else 0 for lp in policy.layers], rewind=rewind)
 
@@ -173,11 +181,13 @@ class PagedStream:
         return sum(len(t) for t in self.tables)
 
     def release(self, pool: BlockPool) -> None:
-        """Give every block back to the pool (the stream is finished or abandoned)."""
+        """Give every block back to the pool (the stream is finished or abandoned), and what its
+        ops kept about them."""
         for t in self.tables:
             for b in t.values():
                 pool.release(b)
             t.clear()
+        self.op_state = [{} for _ in self.windows]
 
     def can_truncate(self, n: int, pool: BlockPool) -> bool:
         """Whether every layer still holds what a query at ``n`` reads: its sinks and positions
@@ -319,9 +329,9 @@ class PagedKVCache(KVCache):
     """The KVCache the model talks to for one forward over ``streams`` (one row each).
 
     Cheap to build: a scheduler makes one per step for whichever streams run in it, so
-    streams join and leave the batch between steps while their blocks stay in the pool. Its op
-    state (KVView.state) lasts one step, so policies whose ops keep state across steps
-    (sparse) are not served.
+    streams join and leave the batch between steps while their blocks stay in the pool. Over one
+    stream, its op state (KVView.state) is the stream's own (``PagedStream.op_state``), kept
+    across steps (a sparse layer's index); over several it lasts one step.
     """
 
     def __init__(self, cfg, pool: BlockPool, streams: list, gather_chunks: bool = False):
@@ -333,6 +343,8 @@ class PagedKVCache(KVCache):
                          layers=[PagedLayerCache(pool, i, self.streams, memo, gather_chunks)
                                  for i in range(cfg.num_layers)],
                          dtype=pool.dtype)
+        if len(self.streams) == 1:
+            self.op_state = self.streams[0].op_state
         self.next_pos = torch.tensor([st.next_pos for st in self.streams], dtype=torch.int64)
 
     def advance(self, pos: torch.Tensor) -> None:

@@ -69,7 +69,7 @@ def add_parser(sub) -> None:
                    help="a Host name to answer to besides the loopback names (a loopback-bound server "
                         "refuses other Host headers: DNS-rebinding protection); repeatable")
     p.add_argument("--docs", action="store_true", help="serve the interactive API docs at /docs")
-    add_policy_args(p, sparse=False)  # the paged cache has no sparse path
+    add_policy_args(p)
     p.set_defaults(func=run)
 
 
@@ -107,8 +107,14 @@ def run(args) -> int:
     # worker team per thread that has run a parallel region, and while the main thread's team
     # lives, every parallel region of the engine thread cost ~100 us more (measured: a SmolLM2
     # decode step 40 ms with the model loaded on the main thread, 23.5 ms without).
-    engine = _off_main_thread(lambda: Engine(model_for(ck, args), ck.tokenizer, policy, config,
-                                             stop_ids=_stop_ids(ck)))
+
+    def make_engine():
+        from .generate import SparseTaus
+        model = model_for(ck, args)
+        taus = SparseTaus(ck, model, policy, calibrate=False)  # a sparse policy's kept taus, if any
+        return Engine(model, ck.tokenizer, taus.policy, config, stop_ids=_stop_ids(ck), tau_path=taus.path)
+
+    engine = _off_main_thread(make_engine)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     engine.start()
     app = create_app(engine, args.served_name or ck.name, options)

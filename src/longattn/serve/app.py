@@ -179,8 +179,9 @@ def create_app(engine: Engine, model_id: str, options: Optional[ServeOptions] = 
     def log_done(path: str, r: Request, status: int = 200) -> None:
         ttft = f"{r.ttft * 1000:.0f}ms" if r.ttft is not None else "-"
         total = (r.t_done or time.perf_counter()) - r.t_submit
-        log.info("POST %s %d id=%s prompt=%d cached=%d completion=%d finish=%s ttft=%s total=%.2fs",
-                 path, status, r.id, len(r.prompt), r.reused, len(r.generated), r.finish_reason, ttft, total)
+        log.info("POST %s %d id=%s prompt=%d cached=%d completion=%d finish=%s ttft=%s total=%.2fs attention=%s",
+                 path, status, r.id, len(r.prompt), r.reused, len(r.generated), r.finish_reason, ttft, total,
+                 engine.attention_of(r))
 
     async def run(request: HTTPRequest, body: Sampling, req: Request, kind: str):
         """Answer one request: a JSON body, or an event stream when ``body.stream``."""

@@ -42,6 +42,7 @@ from ..engine.scheduler import Scheduler
 from ..engine.session import recompute_length
 from ..errors import LongattnError, check_int
 from ..policy import AttentionPolicy
+from ..sparse.policy import sparse_layers
 from .detok import IncrementalText
 
 log = logging.getLogger("longattn.serve")
@@ -167,6 +168,9 @@ class Metrics:
         self.decode_batch = 0       # rows of the latest batched decode step
         self.compiled_steps = 0     # steps the compiled paged step ran
         self.peak_decode_batch = 0
+        # SCSA's counters (sparse/layer.py COUNTER_NAMES) summed over the finished requests'
+        # sparse layers: calls, rows read exactly, rows opened in clusters, ...
+        self.sparse: dict = {}
 
 
 class Engine:
@@ -185,9 +189,13 @@ class Engine:
     """
 
     def __init__(self, model, tokenizer, policy: AttentionPolicy, config: EngineConfig = EngineConfig(),
-                 stop_ids=()):
+                 stop_ids=(), tau_path=None):
         self.model, self.cfg, self.tok = model, model.config, tokenizer
         self.config = config
+        # where a sparse server policy's calibrated taus are kept (sparse/tau_cache.py): the
+        # first stream that calibrates every sparse layer stores them, and later streams start
+        # from them (None: each stream calibrates, nothing is kept)
+        self.tau_path = tau_path
         self.stop_ids = set(stop_ids)
         # a long-rope model's factor switch (Phi-3): requests never cross it (serve.app refuses
         # them) and a stream is continued only by a prompt on its side of it
@@ -217,6 +225,10 @@ class Engine:
         the reason logged where it cannot run here (the eager model serves instead)."""
         from ..engine.aot_step import AOTBuildError
         from ..engine.paged_step import PagedStep, unsupported
+        from ..sparse.auto import restrict
+        # sparse streams run the eager model (their index is per stream), so a sparse policy's
+        # build is its dense twin's: it serves the requests that bring their own window
+        policy = restrict(policy, []) if sparse_layers(policy) else policy
         why = unsupported(self.model, policy)
         if why is None:
             try:
@@ -433,7 +445,10 @@ class Engine:
             if self.paged is not None and self.paged.serves(policy):
                 self._compiled(dec, chunk, policy)
                 continue
-            if dec:
+            if dec and sparse_layers(policy):  # a sparse layer's index is its stream's: one per call
+                for r in dec:
+                    self._decode([r])
+            elif dec:
                 self._decode(dec)
             if chunk is not None:
                 self._guarded(chunk, lambda: self._prefill_chunk(chunk))
@@ -579,7 +594,48 @@ class Engine:
             r.emit("text", r.text[:end])
             r.text = r.text[end:]
 
+    def _keep_taus(self, r: Request) -> None:
+        """Once a stream under the server's sparse policy has calibrated every sparse layer, keep
+        its taus (``tau_path``) and start later streams from them: they decode sparse from their
+        first step past ``min_context`` instead of calibrating again."""
+        from ..sparse.policy import policy_taus, stream_layers, with_taus
+        from ..sparse.tau_cache import store_taus
+        policy = self.policies[()]
+        if r.policy_key != () or r.stream is None or not sparse_layers(policy) or policy_taus(policy):
+            return
+        held = stream_layers(r.stream)
+        if not held or not all(i in held and held[i].calibrated for i in sparse_layers(policy)):
+            return
+        self.policies[()] = with_taus(policy, {i: held[i].tau_values() for i in sparse_layers(policy)})
+        if self.tau_path is not None:
+            try:
+                store_taus(self.tau_path, policy, r.stream)
+            except LongattnError as e:  # the server goes on with them; the next one calibrates again
+                log.warning("calibrated taus not kept: %s", e)
+        log.info("sparse taus calibrated by request %s; later requests start from them", r.id)
+
+    def _count_sparse(self, r: Request) -> None:
+        """Add what the stream's sparse layers did for ``r`` to /metrics (their counters start
+        again for the request that continues the stream)."""
+        from ..sparse.policy import stream_layers
+        if r.stream is None:
+            return
+        for sc in stream_layers(r.stream).values():
+            for name, value in sc.counters.items():
+                self.metrics.sparse[name] = self.metrics.sparse.get(name, 0) + value
+                sc.counters[name] = 0
+
+    def attention_of(self, r: Request) -> str:
+        """How ``r`` attends, for the request log: "sparse" (the server's SCSA policy),
+        "window=W,sinks=S" (its own), or "server" (the server's policy, no sparse layer)."""
+        if r.policy_key:
+            return "window={},sinks={}".format(*r.policy_key)
+        return "sparse" if r.policy is not None and sparse_layers(r.policy) else "server"
+
     def _finish(self, r: Request, reason: Optional[str] = None, error: Optional[str] = None) -> None:
+        self._count_sparse(r)
+        if error is None:
+            self._keep_taus(r)
         self.sched.retire(r, keep=error is None and reason != "cancelled")
         r.t_done = time.perf_counter()
         r.finish_reason = reason or "error"

@@ -41,6 +41,9 @@ def render_metrics(engine) -> str:
                    [({}, m.prefix_hits)])
     out += _family("longattn_prefix_cache_tokens_total", "counter", "Prompt tokens not prefilled thanks to reuse.",
                    [({}, m.prefix_tokens)])
+    out += _family("longattn_sparse_total", "counter", "SCSA's work over the finished requests' sparse layers "
+                   "(calls; key rows read exactly, opened in clusters, scored as clusters; index rebuilds).",
+                   [({"counter": k}, v) for k, v in sorted(m.sparse.items())])
     out += [
         "# HELP longattn_step_seconds Engine step time (a batched decode step and a prefill chunk).",
         "# TYPE longattn_step_seconds summary",

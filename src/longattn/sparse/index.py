@@ -35,12 +35,16 @@ class ClusterIndex:
         self.cfg = cfg
         self.hkv, self.d = num_kv_heads, head_dim
         self.clusters_per_block = -(-cfg.block_size // cfg.cluster_size)
+        # changes whenever the index does (a reset, a block built): what is derived from it
+        # (the kernel's arguments) is kept while it stays the same
+        self.version = 0
         self.reset()
 
     # --- state ---------------------------------------------------------------------------
     def reset(self) -> None:
         """Drop every cluster (the next update replans from scratch)."""
         cfg, hkv, d, cs, r = self.cfg, self.hkv, self.d, self.cfg.cluster_size, self.cfg.rank
+        self.version += 1
         self.seal_end = cfg.sink
         self.frozen_blocks = 0
         self.num_clusters = 0
@@ -159,6 +163,7 @@ class ClusterIndex:
                                    cfg.tree_fanout, cfg.tree_order)
         self._views()
         self._copy_outliers(k, v, kept)
+        self.version += 1
         return built
 
     def _copy_outliers(self, k: torch.Tensor, v: torch.Tensor, kept: int = 0) -> None:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..cache.kv_format import row_width, widen
 from ..errors import LongattnError
 from ..ops import native
-from ..ops.attention import STORED_DTYPES
+from ..ops.attention import STORED_DTYPES, PagedRows
 from ..ops.dense import flash_attention_lse, with_learned_sinks
 from . import calibrate
 from . import taus as tau_io
@@ -36,6 +36,7 @@ from .experimental.refine import refine_opened
 from .experimental.tree_walk import leaves_under, select_tree
 from .index import ClusterIndex
 from .kernel import NEG_INF, Selection, mask_to_ids, merged_output, probe_mask, probe_opened, select_flat
+from .paged import StreamRows, exact_rows
 from .prepared import Prepared, prepare
 from .serial import serial_row
 
@@ -146,6 +147,9 @@ class SCSALayer:
         # takes besides the row, once a calibrated call of one row took the native kernel;
         # dropped whenever taus or indexes change
         self._hot: _Hot | None = None
+        # attend_paged's kernel arguments: (index, (its version, scale), sink logits, NativeArgs),
+        # dropped with _hot
+        self._paged_args: tuple | None = None
         # the learned sink logits ``[H]`` of the current call (gpt-oss; None for most models):
         # set by ``attend``, read by every path of the call (exact, Python, native, calibration)
         self.sink_logits: torch.Tensor | None = None
@@ -210,6 +214,47 @@ class SCSALayer:
             out = torch.stack(rows).view(B, H, 1, D)
         return out if out.dtype == q.dtype else out.to(q.dtype)
 
+    def attend_paged(self, q: torch.Tensor, k: PagedRows, v: PagedRows, scale: float,
+                     sink_logits: torch.Tensor | None = None) -> torch.Tensor:
+        """``attend`` for one stream of a paged pool read in place (sparse/paged.py): the same
+        bits as ``attend(q, k.gather(), v.gather(), ...)``, reading only what the call reads
+        exactly once the index is built and the taus are chosen.
+
+        Args:
+            q: ``[1, H, 1, D]`` float32. k, v: ``PagedRows`` of one stream, all ``length`` slots
+                stored (the serving engine's per-stream call).
+        Returns:
+            ``[1, H, 1, D]``.
+        """
+        n = k.length
+        if k.table.shape[0] != 1 or q.shape[0] != 1 or n < self.cfg.min_context or self._runs_exact \
+                or not self.calibrated or q.dtype != torch.float32:
+            return self.attend(q, k.gather(), v.gather(), scale, sink_logits)
+        if len(self.indexes) != 1:
+            self.indexes = [ClusterIndex(self.cfg, self.num_kv_heads, self.head_dim)]
+        index = self.indexes[0]
+        kr, vr = StreamRows(k), StreamRows(v)
+        t0 = time.perf_counter()
+        if index.update(kr, vr):
+            self.counters["rebuilds"] += 1
+        self.seconds["index_decode"] += time.perf_counter() - t0
+        fits = self._native_applies(index, kr.pool, vr.pool) and not self.cfg.serial
+        if not fits:  # the PyTorch path reads the whole stream: gathered (the index is current)
+            return self.attend(q, k.gather(), v.gather(), scale, sink_logits)
+        self.sink_logits = sink_logits
+        s0, s1 = index.exact_slots(n)
+        X = index.extra_slots.shape[1]
+        held = self._paged_args
+        if held is None or held[0] is not index or held[1] != (index.version, scale) or held[2] is not sink_logits:
+            # the outliers come from the index's copies: slots s0 .. s0 + X name them in order
+            slots = torch.arange(s0, s0 + X).expand(self.num_kv_heads, X).contiguous()
+            held = self._paged_args = (index, (index.version, scale), sink_logits,
+                                       self._native_args(index, self.taus, scale)._replace(extra_slots=slots))
+        ke, ve = exact_rows(kr, vr, s0, s1, n, X)
+        out, opened, opened_rows = _native_call(q, ke, ve, s0, s0 + X, *held[3])
+        self._count_native(index, n, s0, s1, opened, opened_rows)
+        return out
+
     def set_taus(self, taus) -> None:
         """Freeze the thresholds (one per KV head, or one for all) and end calibration.
 
@@ -218,7 +263,7 @@ class SCSALayer:
         see ``SCSAConfig.dense_when_cheaper``): the layer then runs dense.
         """
         t, exact = tau_io.tau_tensors(taus, self.num_kv_heads)
-        self._hot = None
+        self._hot = self._paged_args = None
         self.taus = t  # float32, contiguous: the native call takes it as it is
         self.exact_heads = exact
         self.calibrated = True
@@ -260,7 +305,7 @@ class SCSALayer:
         """Forget every index (a new sequence); taus and counters are kept."""
         self.indexes = []
         self._last = []
-        self._hot = None
+        self._hot = self._paged_args = None
 
     def debug_accounting(self) -> list[dict]:
         """How every cached key contributed to the last sparse call, per batch row.
@@ -297,6 +342,12 @@ class SCSALayer:
             return None
         s0, s1 = index.exact_slots(n)
         out, opened, opened_rows = _native_call(q, k, v, s0, s1, *args)  # 4-D in, [1, H, 1, D] out
+        self._count_native(index, n, s0, s1, opened, opened_rows)
+        return out
+
+    def _count_native(self, index: ClusterIndex, n: int, s0: int, s1: int, opened, opened_rows) -> None:
+        """Count one single-row native call over ``n`` slots (exact ``[0, s0)``, the outliers,
+        ``[s1, n)``) as the general path counts it, and keep its selection for accounting."""
         hkv, X, M = self.num_kv_heads, index.extra_slots.shape[1], index.num_clusters
         counters = self.counters
         counters["calls"] += 1
@@ -305,7 +356,6 @@ class SCSALayer:
         counters["opened_rows"] += int(opened_rows)
         counters["clusters_scored"] += hkv * M
         self._last = [(index, Selection(opened, None, None, hkv * M), n)]
-        return out
 
     def _check(self, q, k, v) -> None:
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:

@@ -13,11 +13,13 @@ from dataclasses import replace
 from typing import Optional
 
 from ..errors import LongattnError
+from ..ops.attention import PagedRows
 from ..policy import AttentionPolicy, LayerPolicy, WindowOp, register_op
 from . import taus as tau_io
 from .config import SCSAConfig
 from .index import ClusterIndex
 from .layer import SCSALayer
+from .paged import StreamRows
 
 
 # the key under which a sparse layer keeps its SCSALayer in the cache's op state (KVView.state)
@@ -45,19 +47,21 @@ class SparseOp:
         frozen taus when it has them)."""
         sc = view.state.get(STATE_KEY)
         if sc is None:
-            sc = SCSALayer(self.cfg, num_heads, view.k.shape[1], head_dim, layer_index=self.layer_index,
+            sc = SCSALayer(self.cfg, num_heads, _kv_heads(view.k), head_dim, layer_index=self.layer_index,
                            taus=self.lp.taus)
             view.state[STATE_KEY] = sc
         return sc
 
     def __call__(self, q, q_pos, view, scale, softcap=None, sink_logits=None):
-        """``q [B, H, Tq, D]`` over ``view`` (cache.base.KVView) -> ``[B, H, Tq, D]``."""
+        """``q [B, H, Tq, D]`` over ``view`` (cache.base.KVView; its k and v may be a paged
+        pool's ``PagedRows``) -> ``[B, H, Tq, D]``."""
         B, H, Tq, D = q.shape
         k, v, k_pos = view.k, view.v, view.positions
-        if Tq > 1 or softcap is not None or not view.cached or k.shape[2] < self.cfg.min_context:
+        n = _slots(k)
+        if Tq > 1 or softcap is not None or not view.cached or n < self.cfg.min_context:
             out = self.dense(q, q_pos, view, scale, softcap, sink_logits)
             if Tq > 1 and view.cached and softcap is None and self.cfg.index_in_prefill \
-                    and k.shape[2] >= self.cfg.min_context and not bool((k_pos < 0).any()):
+                    and n >= self.cfg.min_context and not bool((k_pos < 0).any()):
                 self._grow_index(view, H, D)
             return out
         sc = self.scsa(view, H, D)
@@ -65,17 +69,23 @@ class SparseOp:
         if bool((k_pos < 0).any()):
             raise LongattnError("the sparse policy needs unpadded streams (one stream, or equal lengths)")
         if sc.runs_exact:  # no tau meets the tolerance here: the dense layer's own op
-            sc.count_exact_call(B, k.shape[2])
+            sc.count_exact_call(B, n)
             return self.dense(q, q_pos, view, scale, softcap, sink_logits)
+        if isinstance(k, PagedRows):
+            if B == 1:
+                return sc.attend_paged(q, k, v, scale, sink_logits)
+            k, v = k.gather(), v.gather()
         return sc.attend(q, k, v, scale, sink_logits)
 
     def _grow_index(self, view, num_heads: int, head_dim: int) -> None:
-        """Seal the full blocks of the prompt so far (``view.k, view.v [B, Hkv, N, D]``) into
-        each row's index, so the first decode step builds only the last, partial block. A layer
-        that attends exactly after calibration keeps no index (SCSALayer.attend), so it is skipped."""
+        """Seal the full blocks of the prompt so far (``view.k, view.v [B, Hkv, N, D]``, or a
+        paged pool's rows) into each row's index, so the first decode step builds only the last,
+        partial block. A layer that attends exactly after calibration keeps no index
+        (SCSALayer.attend), so it is skipped."""
         cfg = self.cfg
         k, v = view.k, view.v
-        B, Hkv, N, _ = k.shape
+        paged = isinstance(k, PagedRows)
+        B, Hkv, N = (k.table.shape[0], _kv_heads(k), k.length) if paged else k.shape[:3]
         D = head_dim
         full = (N - cfg.sink - cfg.recent) // cfg.block_size
         if full < 1:
@@ -90,8 +100,20 @@ class SparseOp:
         t0 = time.perf_counter()
         for b, index in enumerate(layer.indexes):
             if index.seal_end < sealed:  # not a decode call's rebuild: counters["rebuilds"] stays
-                index.update(k[b, :, :n], v[b, :, :n])
+                if paged:  # the stream's slots read through its block table, never copied whole
+                    index.update(StreamRows(k, b, n), StreamRows(v, b, n))
+                else:
+                    index.update(k[b, :, :n], v[b, :, :n])
         layer.seconds["index_prefill"] += time.perf_counter() - t0
+
+
+def _slots(k) -> int:
+    """Slots per stream of a view's keys (a tensor ``[B, Hkv, N, W]`` or ``PagedRows``)."""
+    return k.length if isinstance(k, PagedRows) else k.shape[2]
+
+
+def _kv_heads(k) -> int:
+    return k.pool.shape[1] if isinstance(k, PagedRows) else k.shape[1]
 
 
 register_op("sparse", lambda lp, policy, layer: SparseOp(lp, policy, layer))
@@ -144,8 +166,9 @@ def sparse_layers(policy: AttentionPolicy) -> list:
 
 
 def stream_layers(cache) -> dict:
-    """``{layer: SCSALayer}`` of every sparse layer that ``cache`` (a KVCache, or a
-    ``longattn.hf`` cache) holds SCSA state for: indexes, taus, counters, seconds."""
+    """``{layer: SCSALayer}`` of every sparse layer that ``cache`` (a KVCache, a served
+    ``PagedStream``, or a ``longattn.hf`` cache) holds SCSA state for: indexes, taus, counters,
+    seconds."""
     cache = getattr(cache, "kv", cache)  # a longattn.hf cache holds its KVCache as .kv
     if cache is None:
         return {}
