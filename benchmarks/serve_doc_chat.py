@@ -35,27 +35,33 @@ QUESTION = "What is the special magic number for {key} mentioned in the document
 
 
 def document(tok, tokens: int, facts: int, seed: int):
-    """(text of about ``tokens`` tokens, [(key, value)] in document order)."""
+    """(text of at most ``tokens`` tokens, needles included, [(key, value)] in document order):
+    the most consecutive book sentences that fit, found by bisection on their count."""
     from longattn.lab.tasks import NIAH_NEEDLE, WORD_KEYS, essay_sentences
     rng = random.Random(seed)
     keys = rng.sample(WORD_KEYS, facts)
     values = [str(rng.randint(10 ** 6, 10 ** 7 - 1)) for _ in keys]
-    sents, _ = essay_sentences(rng, 60, book=None)
-    per = max(1.0, len(tok.encode(" ".join(sents))) / len(sents))
-    sents, _ = essay_sentences(rng, int(tokens / per), book=None)
-    while len(tok.encode(" ".join(sents))) > tokens and len(sents) > facts:
-        sents = sents[:int(len(sents) * 0.97)]
-    for i, (key, value) in reversed(list(enumerate(zip(keys, values)))):
-        at = int(len(sents) * (i + 0.5) / facts)
-        sents.insert(at, NIAH_NEEDLE.format(type_v="numbers", key=key, value=value))
-    return " ".join(sents), list(zip(keys, values))
+    pool, _ = essay_sentences(rng, max(8, tokens // 4), book=None)  # a sentence is > 4 tokens
+
+    def text(count: int) -> str:
+        sents = list(pool[:count])
+        for i, (key, value) in reversed(list(enumerate(zip(keys, values)))):
+            sents.insert(int(count * (i + 0.5) / facts), NIAH_NEEDLE.format(type_v="numbers", key=key, value=value))
+        return " ".join(sents)
+
+    lo, hi = 1, len(pool)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if len(tok.encode(text(mid))) <= tokens else (lo, mid - 1)
+    return text(lo), list(zip(keys, values))
 
 
-def ask(client, model: str, msgs: list, max_tokens: int) -> dict:
+def ask(client, model: str, msgs: list, max_tokens: int, ignore_eos: bool = False) -> dict:
     t0 = time.perf_counter()
     first, parts, usage = None, [], None
     stream = client.chat.completions.create(model=model, messages=msgs, max_tokens=max_tokens, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True} if ignore_eos else None)
     for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
@@ -63,7 +69,10 @@ def ask(client, model: str, msgs: list, max_tokens: int) -> dict:
             first = first or time.perf_counter()
             parts.append(chunk.choices[0].delta.content)
     t1 = time.perf_counter()
+    n = usage.completion_tokens if usage else 0
     return {"turn_s": t1 - t0, "ttft_s": (first or t1) - t0, "answer": "".join(parts),
+            # the reply's tokens after the first, each one decode step over the whole conversation
+            "decode_ms_per_token": 1e3 * (t1 - (first or t1)) / (n - 1) if n > 1 else None,
             "prompt_tokens": usage.prompt_tokens if usage else None,
             "completion_tokens": usage.completion_tokens if usage else None,
             "cached_tokens": getattr(getattr(usage, "prompt_tokens_details", None), "cached_tokens", None)}
@@ -82,7 +91,8 @@ def sparse_counters(base: str) -> dict:
     return out
 
 
-def conversation(clients: dict, model: str, doc: str, facts: list, max_tokens: int, label: str) -> list:
+def conversation(clients: dict, model: str, doc: str, facts: list, max_tokens: int, label: str,
+                 ignore_eos: bool = False) -> list:
     """Every turn to each arm in turn (alternating which goes first); rows per turn."""
     msgs = {arm: [] for arm in clients}
     rows = []
@@ -93,7 +103,7 @@ def conversation(clients: dict, model: str, doc: str, facts: list, max_tokens: i
         order = list(clients) if t % 2 == 0 else list(reversed(clients))
         for arm in order:
             msgs[arm].append({"role": "user", "content": text})
-            r = ask(clients[arm], model, msgs[arm], max_tokens)
+            r = ask(clients[arm], model, msgs[arm], max_tokens, ignore_eos)
             msgs[arm].append({"role": "assistant", "content": r["answer"]})
             r["correct"] = value in r["answer"]
             row[arm] = r
@@ -116,8 +126,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup", action="store_true",
-                    help="first a short conversation over a 9K-token document on the sparse server alone, "
-                         "so the measured one starts from calibrated taus")
+                    help="first one turn over a 9K-token document on the sparse server alone, whose "
+                         "40-token reply (end of turn ignored) calibrates the taus the measured "
+                         "conversation then starts from")
     ap.add_argument("--out", default=str(RESULTS / "serve_doc_chat.json"))
     args = ap.parse_args()
 
@@ -135,8 +146,10 @@ def main() -> int:
         clients = {arm: openai.OpenAI(base_url=s.base + "/v1", api_key="unused", max_retries=0, timeout=3600)
                    for arm, s in servers.items()}
         if args.warmup:
-            wdoc, wfacts = document(tok, 9000, 2, args.seed + 1)
-            conversation({"sparse": clients["sparse"]}, args.model, wdoc, wfacts, args.max_tokens, "warm-up")
+            # one turn past min_context whose reply is long enough for every sparse layer to
+            # calibrate (SCSAConfig.calib_steps decode calls); the server keeps the taus
+            wdoc, wfacts = document(tok, 9000, 1, args.seed + 1)
+            conversation({"sparse": clients["sparse"]}, args.model, wdoc, wfacts, 40, "warm-up", ignore_eos=True)
         before = sparse_counters(servers["sparse"].base)
         rows = conversation(clients, args.model, doc, facts, args.max_tokens, "measured")
         after = sparse_counters(servers["sparse"].base)
@@ -148,12 +161,19 @@ def main() -> int:
     summary = {arm: {"first_turn_s": rows[0][arm]["turn_s"],
                      "later_turn_s_median": statistics.median(r[arm]["turn_s"] for r in later) if later else None,
                      "later_turn_s_sum": sum(r[arm]["turn_s"] for r in later),
+                     "later_ttft_s_median": statistics.median(r[arm]["ttft_s"] for r in later) if later else None,
+                     "later_decode_ms_per_token_median": statistics.median(
+                         r[arm]["decode_ms_per_token"] for r in later if r[arm]["decode_ms_per_token"]) if later else None,
                      "correct": sum(r[arm]["correct"] for r in rows), "peak_rss_mib": rss[arm]}
                for arm in ("dense", "sparse")}
     ratio = summary["sparse"]["later_turn_s_sum"] / summary["dense"]["later_turn_s_sum"] if later else None
     summary["later_turns_sparse_over_dense"] = ratio
     summary["agree"] = sum(r["agree"] for r in rows)
     summary["sparse_counters"] = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    print(f"later turns: decode ms/token dense {summary['dense']['later_decode_ms_per_token_median']:.1f}, sparse "
+          f"{summary['sparse']['later_decode_ms_per_token_median']:.1f}; time to first token dense "
+          f"{summary['dense']['later_ttft_s_median']:.2f} s, sparse {summary['sparse']['later_ttft_s_median']:.2f} s",
+          flush=True)
     print(f"later turns: sparse / dense time {ratio:.2f}x; facts right dense {summary['dense']['correct']}/"
           f"{len(rows)}, sparse {summary['sparse']['correct']}/{len(rows)}; answers agree {summary['agree']}/"
           f"{len(rows)}", flush=True)
