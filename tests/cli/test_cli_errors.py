@@ -71,11 +71,11 @@ def test_help_shows_defaults():
     assert r.returncode == 0 and "--max-new-tokens MAX_NEW_TOKENS tokens to generate (default: 64)" in out, out
 
 
-def test_serve_offers_no_sparse_policy(tmp_path):
-    """The paged cache has no sparse path: serve neither lists nor takes SCSA's policy and flags."""
+def test_serve_offers_the_sparse_policy_but_not_auto(tmp_path):
+    """serve lists SCSA's policy and flags; ``--policy auto`` (which weighs one request's length)
+    and ``--sparse-calibrate`` (a generate run's) are not its options: one line each."""
     r = subprocess.run([sys.executable, "-m", "longattn.cli.main", "serve", "--help"], capture_output=True, text=True)
-    assert r.returncode == 0 and "--policy" in r.stdout
-    assert "sparse" not in r.stdout.lower(), r.stdout
-    for args in (["--policy", "sparse"], ["--sparse-probe", "4"]):
+    assert r.returncode == 0 and "sparse" in r.stdout and "--sparse-tolerance" in r.stdout, r.stdout
+    for args in (["--policy", "auto"], ["--sparse-calibrate"]):
         r = run_cli(["serve", "--model", tiny_dir("llama"), *args], tmp_path / "c")
-        assert_one_line_error(r, "--policy" if args[0] == "--policy" else "--sparse-probe")
+        assert_one_line_error(r, args[0])

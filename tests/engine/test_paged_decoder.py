@@ -97,3 +97,23 @@ def test_an_int8_pool_holds_a_quarter_of_the_float32_bytes_and_decodes_row_indep
     for t in range(20, 30):
         some = dec.step(ids[:, t], active=torch.tensor([True, t % 3 == 0]))
         assert torch.equal(some[0], alone.step(ids[:, t], active=torch.tensor([True, False]))[0])
+
+
+def test_a_sparse_policy_decodes_with_scsa_inside_the_compiled_step():
+    """``generate --policy sparse --compile aot``: the prefill seals the prompt's blocks into the
+    stream's index, and the compiled step's sparse op reads through its clusters from then on."""
+    from longattn.sparse import SCSAConfig
+    from longattn.sparse.policy import build_sparse_policy, stream_layers
+    torch.set_num_threads(2)
+    model, _ = tiny_formats("llama", "int8")
+    pol = build_sparse_policy(model.config, SCSAConfig(cluster_size=16, rebuild_interval=32, block_size=128, sink=4,
+                                                       recent=8, min_context=0, calib_steps=0,
+                                                       dense_when_cheaper=False))
+    ids = torch.randint(3, 96, (1, 330), generator=torch.Generator().manual_seed(2))
+    dec = PagedDecoder(model, pol, batch=1, max_len=400, progress=False)
+    dec.prefill(ids[:, :300].tolist())
+    layers = stream_layers(dec.cache)
+    assert sorted(layers) == [0, 1, 2] and all(sc.indexes[0].seal_end > 4 for sc in layers.values())
+    for t in range(300, 330):
+        assert torch.isfinite(dec.step(ids[:, t])).all()
+    assert all(sc.counters["opened_rows"] > 0 and sc.counters["calls"] == 30 for sc in layers.values())

@@ -181,10 +181,10 @@ def test_a_failing_compiled_step_ends_only_the_request_that_fails(monkeypatch):
             def serves(self, policy):
                 return step.serves(policy)
 
-            def __call__(self, batch, sel, policy):
+            def __call__(self, batch, sel, policy, sparse=(None, [])):
                 if any(st is r.stream and start >= len(r.prompt) for st, start in planned for r in poison):
                     raise RuntimeError("injected fault")
-                return step(batch, sel, policy)
+                return step(batch, sel, policy, sparse)
 
         monkeypatch.setattr(batching, "plan_rows", recording_plan)
         engine.paged = Faulty()

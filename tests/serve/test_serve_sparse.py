@@ -1,7 +1,8 @@
 """``serve --policy sparse``: SCSA over the paged pool, its index kept with each stream.
 
-A sparse stream decodes alone (its index is its own) on the eager model; its prefill seals the
-prompt's full blocks into the index, and a later turn that continues the stream keeps them. So a
+A sparse stream's row runs SCSA over its own index (in the compiled step's op, or the eager model
+over its stream alone); its prefill seals the prompt's full blocks into the index, and a later
+turn that continues the stream keeps them. So a
 sparse request's greedy tokens are the same alone, beside dense and other sparse requests, in any
 chunk size and after its prefix is reused -- and SCSA really read through clusters to get them.
 """
@@ -61,23 +62,25 @@ def _alone(model, policy, prompt, n, key=(), **cfg) -> list:
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-# weights and pool formats whose compiled step (built for the requests with their own window) the
-# serving invariance tests build too
-@pytest.mark.parametrize("weights,kv", [("int8", "f32"), ("int4", "bf16"), ("int5", "int8")])
-def test_sparse_requests_beside_dense_ones_equal_each_alone(tiny_ck, seed, weights, kv):
+# "aot": sparse rows through the compiled step's SCSA op (sparse/paged_op.py); "none": the eager
+# model, one sparse stream per call
+@pytest.mark.parametrize("weights,kv,step", [("int8", "f32", "aot"), ("int4", "bf16", "aot"), ("int5", "int8", "none"),
+                                             ("int8", "f32", "none")])
+def test_sparse_requests_beside_dense_ones_equal_each_alone(tiny_ck, seed, weights, kv, step):
     torch.set_num_threads(2)
     model = build_model(tiny_ck.config, tiny_ck.state_dict, weights=weights)
     pol = build_sparse_policy(model.config, SCSAConfig(**SMALL))
     rng = random.Random(seed)
     requests = [([rng.choice(VOCAB) for _ in range(rng.randint(150, 400))], rng.randint(20, 50), key)
                 for key in ((), (), (16, 2), ())]
-    engine = _engine(model, pol, chunk=rng.randint(8, 90), max_batch=4, retain=0, kv=kv)
+    engine = _engine(model, pol, chunk=rng.randint(8, 90), max_batch=4, retain=0, kv=kv, compile=step)
     try:
+        assert engine.step_kind == ("aot" if step == "aot" else "eager")
         together = [list(r.generated) for r in _run(engine, requests)]
         sparse = dict(engine.metrics.sparse)
     finally:
         engine.stop()
-    engine = _engine(model, pol, max_batch=1, chunk=4096, retain=0, kv=kv)
+    engine = _engine(model, pol, max_batch=1, chunk=4096, retain=0, kv=kv, compile=step)
     try:
         alone = [list(_run(engine, [req])[0].generated) for req in requests]
     finally:

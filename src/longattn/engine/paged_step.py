@@ -10,6 +10,10 @@ row by row, so a row's logits are the same bits however many rows share the call
 they come from, and how a prompt was cut into chunks: the server's invariance contract holds on
 the compiled step as on the eager one (tests/serve/test_paged_step.py).
 
+A sparse policy's layers call SCSA inside the graph (``sparse/paged_op.py``): each row also names
+its stream (an input), whose own index the op reads; rows of other policies, and prefill chunks,
+run the fused decode kernel there as in a dense build.
+
 Each layer's window and sinks are inputs of the step (``window_table``), so one build serves
 every policy whose layers fall into the same groups (``layer_groups``: layers sharing a window and
 sinks share one key-position tensor): a dense and a windowed policy, any window, any sinks, and
@@ -34,6 +38,8 @@ from ..errors import LongattnError
 from ..ops import native
 from ..ops.attention import PagedRows, paged_rows_attention
 from ..policy import AttentionPolicy
+from ..sparse.paged_op import PagedSparseOp, StepStreams
+from ..sparse.policy import sparse_layers
 from .aot_step import _build, load_package
 
 PAGED_VERSION = "2"  # bump when the exported step's inputs, outputs or structure change
@@ -67,8 +73,8 @@ def unsupported(model, policy: AttentionPolicy):
     if not native.available():
         return "the native kernels are not built here"
     kinds = {lp.kind for lp in policy.layers}
-    if kinds != {"window"}:
-        return f"it runs window and dense layers only, not {sorted(kinds - {'window'})}"
+    if not kinds <= {"window", "sparse"}:
+        return f"it runs window, dense and sparse layers only, not {sorted(kinds - {'window', 'sparse'})}"
     if model.activation_dtype != torch.float32:
         return "it runs float32 activations only"
     if any(layer.self_attn.rope_varies for layer in model.model.layers):
@@ -83,6 +89,8 @@ def paged_key(model, policy: AttentionPolicy, block_size: int, pool_dtype) -> st
              "groups": layer_groups(policy), "block_size": block_size,
              "pool": str(pool_dtype), "torch": torch.__version__, "kernels": native.build_tag(),
              "cpu": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
+    if sparse_layers(policy):  # their op and the rows' stream input are in the graph
+        parts["sparse"] = sparse_layers(policy)
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -122,16 +130,18 @@ class _RowsOp:
 
 
 class _RowsPolicy:
-    def __init__(self, ws: torch.Tensor):
-        self.ops = [_RowsOp(ws[i]) for i in range(ws.shape[0])]
+    def __init__(self, ws: torch.Tensor, sparse: list = (), streams=None, block_size: int = 0):
+        self.ops = [PagedSparseOp(ws[i], streams, i, block_size) if i in sparse else _RowsOp(ws[i])
+                    for i in range(ws.shape[0])]
 
     def op(self, i: int):
         return self.ops[i]
 
 
 class _ExportedRows(torch.nn.Module):
-    """``forward(tokens [R], pos [R], sel [S], ws [L, 2], pool_k, pool_v, *slots, *tables, *kpos)
-    -> logits [S, V]`` (``sel``: the rows whose logits are wanted; ``ws``: ``window_table``)."""
+    """``forward(tokens [R], pos [R], sel [S], ws [L, 2], pool_k, pool_v, *slots, *tables, *kpos
+    [, rotation] [, streams [R]]) -> logits [S, V]`` (``sel``: the rows whose logits are wanted;
+    ``ws``: ``window_table``; ``streams``: with sparse layers, each row's sparse stream or -1)."""
 
     def __init__(self, model, policy: AttentionPolicy, block_size: int):
         super().__init__()
@@ -142,17 +152,21 @@ class _ExportedRows(torch.nn.Module):
             for layer in layers:
                 self.group_of[layer] = g
         self.block_size = block_size
+        self.sparse = sparse_layers(policy)
 
     def forward(self, tokens, pos, sel, ws, pool_k, pool_v, *rest):
         L = len(self.group_of)
         G = len(self.groups)
-        # last, where the pool's format rotates keys (kv_format.key_rotation): the rotation, an
-        # input rather than a constant, as the package's constants are the model's tensors
-        rot = rest[2 * L + G] if len(rest) > 2 * L + G else None
+        extra = list(rest[2 * L + G:])
+        streams = extra.pop() if self.sparse else None
+        # where the pool's format rotates keys (kv_format.key_rotation): the rotation, an input
+        # rather than a constant, as the package's constants are the model's tensors
+        rot = extra[0] if extra else None
         kv = _RowsKV(pool_k, pool_v, rest[:L], rest[L:2 * L], rest[2 * L:2 * L + G], self.group_of, self.block_size,
                      rot)
         forward = type(self.model).forward.__wrapped__  # without inference_mode: export traces it
-        h = forward(self.model, tokens[:, None], pos[:, None], cache=kv, policy=_RowsPolicy(ws), logits="none")
+        ops = _RowsPolicy(ws, self.sparse, streams, self.block_size)
+        h = forward(self.model, tokens[:, None], pos[:, None], cache=kv, policy=ops, logits="none")
         x = self.model.model.norm(h[:, 0].index_select(0, sel))
         out = self.model.head(x)
         cap = self.model.config.final_softcap
@@ -170,9 +184,10 @@ def _example(model, policy: AttentionPolicy, pool: BlockPool) -> tuple:
     slots = [torch.arange(R, dtype=torch.int64) for _ in policy.layers]
     tables = [torch.zeros(R, nb + group_of[layer], dtype=torch.int64) for layer in range(len(policy.layers))]
     kpos = [torch.full((R, (nb + g) * bs), -1, dtype=torch.int64) for g in range(len(groups))]
+    streams = [torch.full((R,), -1, dtype=torch.int64)] if sparse_layers(policy) else []
     return (torch.zeros(R, dtype=torch.int64), torch.arange(R, dtype=torch.int64),
             torch.arange(S, dtype=torch.int64), window_table(policy), k, torch.zeros_like(k), *slots, *tables, *kpos,
-            *_rotation(pool, cfg))
+            *_rotation(pool, cfg), *streams)
 
 
 def _rotation(pool: BlockPool, cfg) -> list:
@@ -190,7 +205,8 @@ def _dynamic_shapes(policy: AttentionPolicy, rotates: bool) -> tuple:
     group_of = {layer: g for g, layers in enumerate(groups) for layer in layers}
     L = len(policy.layers)
     rest = ([{0: rows}] * L + [{0: rows, 1: nb[group_of[layer]]} for layer in range(L)]
-            + [{0: rows, 1: n[g]} for g in range(len(groups))] + [None] * rotates)
+            + [{0: rows, 1: n[g]} for g in range(len(groups))] + [None] * rotates
+            + [{0: rows}] * bool(sparse_layers(policy)))
     return ({0: rows}, {0: rows}, {0: sel}, None, {1: slots}, {1: slots}, tuple(rest))
 
 
@@ -211,6 +227,7 @@ class PagedStep:
         self.model, self.policy, self.pool = model, policy, pool
         self.groups = layer_groups(policy)
         self.key = paged_key(model, policy, pool.block_size, pool.dtype)
+        self.sparse = sparse_layers(policy)  # layers whose op reads each row's stream state
         self._tables: dict = {}  # (window, sinks) per layer -> its window_table
         self.rotation = _rotation(pool, model.config)
 
@@ -222,10 +239,16 @@ class PagedStep:
         self.loader = load_package(model, self.key, build, progress)
 
     def serves(self, policy: AttentionPolicy) -> bool:
-        """Whether ``policy`` runs on this build: window layers grouped as the build's."""
-        return all(lp.kind == "window" for lp in policy.layers) and layer_groups(policy) == self.groups
+        """Whether ``policy`` runs on this build: window layers grouped as the build's, sparse
+        layers only where the build has them."""
+        return all(lp.kind == "window" or (lp.kind == "sparse" and i in self.sparse)
+                   for i, lp in enumerate(policy.layers)) and layer_groups(policy) == self.groups
 
-    def __call__(self, batch: RowBatch, sel: torch.Tensor, policy: AttentionPolicy) -> torch.Tensor:
+    def __call__(self, batch: RowBatch, sel: torch.Tensor, policy: AttentionPolicy,
+                 sparse: tuple = (None, [])) -> torch.Tensor:
+        """Run the step. ``sparse``: with sparse layers, ``(streams [R], entries)``: each row's
+        index into ``entries`` (-1: a stream without sparse layers) and, per sparse stream, its
+        ``(op_state, policy)`` (sparse/paged_op.py); default: no row is a sparse stream's."""
         key = tuple(_window_sinks(lp) for lp in policy.layers)
         ws = self._tables.get(key)
         if ws is None:
@@ -234,7 +257,13 @@ class PagedStep:
             ws = self._tables[key] = window_table(policy)
         inputs = [batch.tokens, batch.pos, sel, ws, self.pool.k, self.pool.v, *batch.slots, *batch.tables,
                   *batch.kpos, *self.rotation]
-        return self.loader.boxed_run(inputs)[0]
+        if not self.sparse:
+            return self.loader.boxed_run(inputs)[0]
+        streams, entries = sparse
+        if streams is None:
+            streams = torch.full((batch.rows,), -1, dtype=torch.int64)
+        with StepStreams.using(entries):
+            return self.loader.boxed_run(inputs + [streams])[0]
 
 
 class PagedDecoder:
@@ -294,7 +323,9 @@ class PagedDecoder:
         toks = tokens.tolist()
         batch = plan_rows(self.pool, streams, [(self.streams[b].next_pos, [int(toks[b])]) for b in live],
                           self.paged.groups)
-        logits = self.paged(batch, torch.arange(len(live)), self.policy)
+        sparse = (torch.arange(len(live)), [(st.op_state, self.policy) for st in streams]) if self.paged.sparse \
+            else (None, [])
+        logits = self.paged(batch, torch.arange(len(live)), self.policy, sparse)
         finish_rows(self.pool, streams, batch)
         if len(live) == self.batch:
             return logits
@@ -304,10 +335,15 @@ class PagedDecoder:
 
 
 class _PoolUse:
-    """``nbytes()``: the bytes of the blocks a PagedDecoder's streams hold."""
+    """``nbytes()``: the bytes of the blocks a PagedDecoder's streams hold; ``op_state``: the
+    first stream's per-layer op state (what ``sparse.policy.stream_layers`` reads of a run)."""
 
     def __init__(self, pool: BlockPool, streams: list):
         self.pool, self.streams = pool, streams
 
     def nbytes(self) -> int:
         return sum(st.blocks() for st in self.streams) * self.pool.block_bytes
+
+    @property
+    def op_state(self) -> list:
+        return self.streams[0].op_state

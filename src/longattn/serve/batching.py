@@ -7,11 +7,13 @@ long prompt never stalls the others for more than a chunk.
 
 The step: by default the compiled paged step (engine/paged_step.py), built ahead of time for the
 server's policy, runs the decode rows of every request under that policy and the prefill chunk
-in one call; requests with their own window or sinks, and every request where the step cannot be
-built (``EngineConfig.compile="none"``, no native kernels, a rope that follows the sequence
-length), run the eager model, one batched decode step per policy and then the chunk. Each path
-computes a row the same way whatever shares its step (the invariance contract), so a request's
-greedy tokens do not depend on who else is served.
+in one call (also under a sparse policy: a sparse layer's rows run SCSA over their own stream's
+index, sparse/paged_op.py), and requests with their own window or sinks on the same build where
+their layers group alike; every request where the step cannot be built
+(``EngineConfig.compile="none"``, no native kernels, a rope that follows the sequence length)
+runs the eager model, one batched decode step per policy (one per stream under a sparse policy)
+and then the chunk. Each path computes a row the same way whatever shares its step (the
+invariance contract), so a request's greedy tokens do not depend on who else is served.
 
 Admission and prefix reuse are the scheduler's (engine/scheduler.py): a request reserves the
 most blocks it can ever hold (``cache.paged.blocks_bound`` over its layers for
@@ -225,10 +227,6 @@ class Engine:
         the reason logged where it cannot run here (the eager model serves instead)."""
         from ..engine.aot_step import AOTBuildError
         from ..engine.paged_step import PagedStep, unsupported
-        from ..sparse.auto import restrict
-        # sparse streams run the eager model (their index is per stream), so a sparse policy's
-        # build is its dense twin's: it serves the requests that bring their own window
-        policy = restrict(policy, []) if sparse_layers(policy) else policy
         why = unsupported(self.model, policy)
         if why is None:
             try:
@@ -445,7 +443,7 @@ class Engine:
             if self.paged is not None and self.paged.serves(policy):
                 self._compiled(dec, chunk, policy)
                 continue
-            if dec and sparse_layers(policy):  # a sparse layer's index is its stream's: one per call
+            if dec and sparse_layers(policy):  # eager: a sparse layer's index is its stream's, one per call
                 for r in dec:
                     self._decode([r])
             elif dec:
@@ -482,7 +480,12 @@ class Engine:
         batch = plan_rows(self.pool, streams, segments, self.paged.groups)
         # rows whose logits are wanted: each decode row, and a chunk's last row if it ends the prompt
         sel = list(range(len(dec))) + [batch.rows - 1] if completes or not dec else list(range(len(dec)))
-        logits = self.paged(batch, torch.tensor(sel, dtype=torch.int64), policy)  # [S, V]
+        sparse = (None, [])
+        if sparse_layers(policy):  # each row names its stream, whose SCSA state the step's op reads
+            reqs = list(dec) + ([pre] if pre is not None else [])
+            counts = torch.tensor([1] * len(dec) + ([len(part)] if pre is not None else []))
+            sparse = (torch.arange(len(reqs)).repeat_interleave(counts), [(r.stream.op_state, r.policy) for r in reqs])
+        logits = self.paged(batch, torch.tensor(sel, dtype=torch.int64), policy, sparse)  # [S, V]
         finish_rows(self.pool, streams, batch)
         self.metrics.compiled_steps += 1
         if dec:
